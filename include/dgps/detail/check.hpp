@@ -1,0 +1,262 @@
+/// @brief Validation: every shape, stride, pointer and option is checked once, here (DESIGN.md).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dgps/detail/problem.hpp"
+#include "dgps/error.hpp"
+#include "dgps/recurrence.hpp"
+#include "dgps/types.hpp"
+
+namespace dgps::detail {
+
+inline std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+/// Checks one tensor against its expected shape and returns it with the rank resolved.
+/// `required`: absence is an error; `why` explains the requirement in the message.
+template <class T>
+TensorView<T> resolve(const char* name, TensorView<T> t, const std::vector<int64_t>& expect, bool required,
+                      const std::string& why) {
+  if (!t.data) {
+    if (t.rank > 0) throw Error(std::string("tensor '") + name + "' has null data but shape " + t.shape_string());
+    if (required) throw Error(std::string("tensor '") + name + "' is required " + why + " but was not given");
+    return {};
+  }
+  const int r = static_cast<int>(expect.size());
+  if (t.rank == kImplicitRank) {  // a bare pointer: contiguous, in the SPEC shape
+    t.rank = r;
+    int64_t st = 1;
+    for (int d = r - 1; d >= 0; --d) {
+      t.size[d] = expect[d];
+      t.stride[d] = st;
+      st *= expect[d];
+    }
+    return t;
+  }
+  if (t.rank < 0) throw Error(std::string("tensor '") + name + "': sizes and strides have different lengths");
+  bool ok = t.rank == r;
+  for (int d = 0; ok && d < r; ++d) ok = t.size[d] == expect[d];
+  if (!ok)
+    throw Error(std::string("tensor '") + name + "' has shape " + t.shape_string() + ", expected " + shape_str(expect));
+  if (r > 0 && t.size[r - 1] > 1 && t.stride[r - 1] != 1)
+    throw Error(std::string("tensor '") + name + "' must be contiguous in its last dimension (stride " +
+                std::to_string(t.stride[r - 1]) + ", expected 1)");
+  for (int d = 0; d < r; ++d)
+    if (t.stride[d] < 0) throw Error(std::string("tensor '") + name + "' has a negative stride");
+  return t;
+}
+
+/// Rejects a tensor that the model does not use (a likely mistake in the call).
+template <class T>
+void reject_unused(const char* name, const TensorView<T>& t, const std::string& why) {
+  if (t.data || t.rank > 0) throw Error(std::string("tensor '") + name + "' was given but " + why);
+}
+
+inline void check_options(const Options& o, int64_t K, double& scale) {
+  if (o.scale && !std::isfinite(*o.scale))
+    throw Error("option 'scale' must be finite, got " + std::to_string(*o.scale));
+  if (!(o.x > 0) || !std::isfinite(o.x)) throw Error("option 'x' must be finite and > 0, got " + std::to_string(o.x));
+  if (!(o.eps >= 0) || !std::isfinite(o.eps))
+    throw Error("option 'eps' must be finite and >= 0, got " + std::to_string(o.eps));
+  if (!(o.lambda > 0) || !std::isfinite(o.lambda))
+    throw Error("option 'lambda' must be finite and > 0, got " + std::to_string(o.lambda));
+  if (o.chunk_size < 1) throw Error("option 'chunk_size' must be >= 1, got " + std::to_string(o.chunk_size));
+  if (o.threads < 0) throw Error("option 'threads' must be >= 0, got " + std::to_string(o.threads));
+  scale = o.scale ? *o.scale : 1.0 / std::sqrt(double(K));
+}
+
+/// Validates the inputs (SPEC §1) of model R and fills the input half of a Problem.
+template <class R, class T>
+Problem<T> check_inputs(const Inputs<T>& in, const Options& opt) {
+  using D = typename R::decay_type;
+  using G = typename R::gain_type;
+  using P = typename R::precond_type;
+  Problem<T> p;
+  p.spec = spec_of<R>();
+  const Shape& s = in.shape;
+  const int64_t HV = s.v_heads == 0 ? s.heads : s.v_heads;
+  auto positive = [](const char* what, int64_t v) {
+    if (v < 1) throw Error(std::string("shape: ") + what + " must be >= 1, got " + std::to_string(v));
+  };
+  positive("batch", s.batch);
+  positive("heads", s.heads);
+  positive("v_heads", HV);
+  positive("key_dim", s.key_dim);
+  positive("value_dim", s.value_dim);
+  if (s.time < 0) throw Error("shape: time must be >= 0, got " + std::to_string(s.time));
+  if (HV % s.heads != 0)
+    throw Error("shape: v_heads (" + std::to_string(HV) + ") must be a multiple of heads (" + std::to_string(s.heads) +
+                ")");
+  p.B = s.batch;
+  p.T_ = s.time;
+  p.H = s.heads;
+  p.HV = HV;
+  p.K = s.key_dim;
+  p.V = s.value_dim;
+  check_options(opt, p.K, p.scale);
+  p.x = opt.x;
+  p.eps = opt.eps;
+  p.lambda = opt.lambda;
+  p.l2norm = opt.l2norm_qk;
+  p.threads = opt.threads;
+  p.chunk = opt.chunk_size;
+
+  // Packed variable-length batches.
+  p.N = p.B;
+  if (in.cu_seqlens.data || in.cu_seqlens.rank > 0) {
+    auto cu = in.cu_seqlens;
+    if (!cu.data) throw Error("tensor 'cu_seqlens' has null data");
+    if (cu.rank != 1 || cu.size[0] < 2)
+      throw Error("tensor 'cu_seqlens' has shape " + cu.shape_string() + ", expected [N+1] with N >= 1");
+    if (cu.stride[0] != 1) throw Error("tensor 'cu_seqlens' must be contiguous");
+    if (p.B != 1) throw Error("cu_seqlens requires batch == 1, got batch = " + std::to_string(p.B));
+    const int64_t n1 = cu.size[0];
+    if (cu.data[0] != 0) throw Error("cu_seqlens must start at 0, got " + std::to_string(cu.data[0]));
+    for (int64_t i = 1; i < n1; ++i)
+      if (cu.data[i] < cu.data[i - 1])
+        throw Error("cu_seqlens must not decrease: cu_seqlens[" + std::to_string(i) + "] = " +
+                    std::to_string(cu.data[i]) + " < cu_seqlens[" + std::to_string(i - 1) +
+                    "] = " + std::to_string(cu.data[i - 1]));
+    if (cu.data[n1 - 1] != p.T_)
+      throw Error("cu_seqlens must end at T = " + std::to_string(p.T_) + ", got " + std::to_string(cu.data[n1 - 1]));
+    p.cu_seqlens = cu.data;
+    p.N = n1 - 1;
+  }
+
+  const int64_t B = p.B, Tn = p.T_, H = p.H, K = p.K, V = p.V, N = p.N;
+  const std::string model = "by " + to_string(p.spec);
+  p.q = resolve("q", in.q, {B, Tn, H, K}, true, model);
+  p.k = resolve("k", in.k, {B, Tn, H, K}, true, model);
+  p.v = resolve("v", in.v, {B, Tn, HV, V}, true, model);
+  if constexpr (D::needs_g) {
+    if constexpr (D::per_channel)
+      p.g = resolve("g", in.g, {B, Tn, HV, K}, true, model);
+    else
+      p.g = resolve("g", in.g, {B, Tn, HV}, true, model);
+  } else {
+    reject_unused("g", in.g, "decay=none uses no g");
+  }
+  if constexpr (G::needs_beta)
+    p.beta = resolve("beta", in.beta, {B, Tn, HV}, true, model);
+  else
+    reject_unused("beta", in.beta, "gain=unit uses no beta");
+  if constexpr (precond::needs_gates<P>) {
+    p.g_p = resolve("g_p", in.g_p, {B, Tn, H}, true, model);
+    p.beta_p = resolve("beta_p", in.beta_p, {B, Tn, H}, true, model);
+  } else {
+    reject_unused("g_p", in.g_p, "precond=identity uses no g_p");
+    reject_unused("beta_p", in.beta_p, "precond=identity uses no beta_p");
+  }
+  if constexpr (precond::needs_center<P>)
+    p.center = resolve("center", in.center, {H}, true, model);
+  else
+    reject_unused("center", in.center, "only the diagonal preconditioners use center");
+  p.h0 = resolve("h0", in.h0, {N, HV, K, V}, false, "");
+  if constexpr (P::state == precond::State::diagonal)
+    p.a0 = resolve("a0", in.a0, {N, H, K}, false, "");
+  else if constexpr (P::state == precond::State::exact)
+    p.a0 = resolve("a0", in.a0, {N, H, K, K}, false, "");
+  else
+    reject_unused("a0", in.a0, "precond=identity has no preconditioner state");
+  return p;
+}
+
+/// Expected shape of the preconditioner state of model R ([N,H,K], [N,H,K,K] or none).
+template <class R>
+std::vector<int64_t> precond_state_shape(int64_t N, int64_t H, int64_t K) {
+  using P = typename R::precond_type;
+  if constexpr (P::state == precond::State::diagonal) return {N, H, K};
+  if constexpr (P::state == precond::State::exact) return {N, H, K, K};
+  return {};
+}
+
+template <class R, class T, class V>
+TensorView<V> resolve_precond_state(const char* name, TensorView<V> t, int64_t N, int64_t H, int64_t K, bool required) {
+  if constexpr (R::precond_type::state == precond::State::none) {
+    reject_unused(name, t, "precond=identity has no preconditioner state");
+    return {};
+  } else {
+    return resolve(name, t, precond_state_shape<R>(N, H, K), required, "by the preconditioner");
+  }
+}
+
+/// Validates a forward call.
+template <class R, class T>
+Problem<T> check_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt) {
+  Problem<T> p = check_inputs<R>(in, opt);
+  p.o = resolve("o", out.o, {p.B, p.T_, p.HV, p.V}, true, "as the output");
+  p.hT = resolve("hT", out.hT, {p.N, p.HV, p.K, p.V}, false, "");
+  p.aT = resolve_precond_state<R, T>("aT", out.aT, p.N, p.H, p.K, false);
+  return p;
+}
+
+/// Validates a backward call (the gradients requested must belong to inputs that are present).
+template <class R, class T>
+Problem<T> check_backward(const Inputs<T>& in, const GradsIn<T>& gi, const Grads<T>& go, const Options& opt) {
+  Problem<T> p = check_inputs<R>(in, opt);
+  const int64_t B = p.B, Tn = p.T_, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
+  p.d_o = resolve("do", gi.d_o, {B, Tn, HV, V}, true, "for the backward pass");
+  p.dhT = resolve("dhT", gi.dhT, {N, HV, K, V}, false, "");
+  p.daT = resolve_precond_state<R, T>("daT", gi.daT, N, H, K, false);
+  auto grad = [](const char* name, const auto& g, const auto& input, const char* input_name) {
+    if (!input.data) reject_unused(name, g, std::string("input '") + input_name + "' is absent");
+    return resolve(name, g, std::vector<int64_t>(input.size.begin(), input.size.begin() + input.rank), false, "");
+  };
+  p.dq = grad("dq", go.dq, p.q, "q");
+  p.dk = grad("dk", go.dk, p.k, "k");
+  p.dv = grad("dv", go.dv, p.v, "v");
+  p.dg = grad("dg", go.dg, p.g, "g");
+  p.dbeta = grad("dbeta", go.dbeta, p.beta, "beta");
+  p.dg_p = grad("dg_p", go.dg_p, p.g_p, "g_p");
+  p.dbeta_p = grad("dbeta_p", go.dbeta_p, p.beta_p, "beta_p");
+  p.dcenter = grad("dcenter", go.dcenter, p.center, "center");
+  // dh0/da0 are the gradients of the initial states, also when h0/a0 were not given (zeros / defaults).
+  p.dh0 = resolve("dh0", go.dh0, {N, HV, K, V}, false, "");
+  p.da0 = resolve_precond_state<R, T>("da0", go.da0, N, H, K, false);
+  return p;
+}
+
+/// Validates a decode call: `tokens.shape` is [N sequences, T new tokens]; states in `st`.
+template <class R, class T>
+Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T> o, const Options& opt) {
+  if (tokens.h0.data || tokens.a0.data)
+    throw Error("decode takes its states from DecodeState; the token inputs must not carry h0/a0");
+  if (tokens.cu_seqlens.data) throw Error("decode takes one row per sequence; cu_seqlens is not supported there");
+  Problem<T> p = check_inputs<R>(tokens, opt);
+  p.o = resolve("o", o.view, {p.B, p.T_, p.HV, p.V}, true, "as the output");
+  int64_t pool = p.N;
+  if (st.slots.data || st.slots.rank > 0) {
+    if (!st.slots.data) throw Error("tensor 'slots' has null data");
+    if (st.slots.rank != 1 || st.slots.size[0] != p.N)
+      throw Error("tensor 'slots' has shape " + st.slots.shape_string() + ", expected [" + std::to_string(p.N) + "]");
+    if (!st.h.data || st.h.rank < 1) throw Error("tensor 'h' (decode state) is required but was not given");
+    pool = st.h.size[0];
+    std::vector<char> used(static_cast<size_t>(pool), 0);
+    for (int64_t n = 0; n < p.N; ++n) {
+      const int64_t sidx = st.slots.data[n * st.slots.stride[0]];
+      if (sidx < 0 || sidx >= pool)
+        throw Error("slots[" + std::to_string(n) + "] = " + std::to_string(sidx) + " is outside the state pool [0, " +
+                    std::to_string(pool) + ")");
+      if (used[sidx]) throw Error("slots: state " + std::to_string(sidx) + " is used by two sequences");
+      used[sidx] = 1;
+    }
+    if (st.slots.stride[0] != 1) throw Error("tensor 'slots' must be contiguous");
+    p.slots = st.slots.data;
+  }
+  auto h = resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
+  p.h0 = h;
+  p.hT = h;
+  auto a = resolve_precond_state<R, T>("a", st.a, pool, p.H, p.K, true);
+  p.a0 = a;
+  p.aT = a;
+  return p;
+}
+
+}  // namespace dgps::detail

@@ -1,0 +1,91 @@
+/// @brief The dgps public API: forward, backward and decode of any DGPS recurrence (SPEC.md).
+///
+/// Include this header, pick a model (`dgps::PGDN`, or any `dgps::Recurrence<...>`), describe the
+/// tensors with `dgps::inputs(...)` / `dgps::outputs(...)` and call `dgps::forward<Model>`.
+#pragma once
+
+#include <string>
+
+#include "dgps/backend.hpp"
+#include "dgps/cpu/backend.hpp"
+#include "dgps/detail/check.hpp"
+#include "dgps/error.hpp"
+#include "dgps/recurrence.hpp"
+#include "dgps/reference/backend.hpp"
+#include "dgps/tensor.hpp"
+#include "dgps/types.hpp"
+#include "dgps/version.hpp"
+
+namespace dgps {
+
+namespace detail {
+template <class R>
+void check_supported(Backend b, Algorithm a) {
+  if (!supports<R>(b, a))
+    throw Error(std::string("backend '") + to_string(b) + "' has no " + to_string(a) + " algorithm for " +
+                to_string(spec_of<R>()));
+}
+}  // namespace detail
+
+/// Forward pass of model R (SPEC §2): writes `o` and, when requested, the final states `hT`, `aT`.
+///
+/// T is float or double. Throws dgps::Error (and writes nothing) on any malformed input; see
+/// detail/check.hpp for the rules. Returns which implementation ran.
+template <class R, class T>
+RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
+  const detail::Problem<T> p = detail::check_forward<R>(in, out, opt);
+  RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
+  detail::check_supported<R>(info.backend, opt.algorithm);
+  if (info.backend == Backend::reference) {
+    reference::forward<R, T, double>(p, p.threads);
+    info.impl = "reference/recurrent";
+    info.algorithm = Algorithm::recurrent;
+  } else {
+    info.impl = cpu::forward<R, T>(p, opt.algorithm);
+    info.algorithm = Algorithm::recurrent;
+  }
+  detail::report("forward", info);
+  return info;
+}
+
+/// Backward pass of model R: the gradients of `loss = sum(o*do) + sum(hT*dhT) + sum(aT*daT)` with
+/// respect to every input whose gradient view is given in `grads` (SPEC §3.8). The forward is
+/// recomputed from checkpoints every `opt.chunk_size` tokens (memory O(T / C * K * V) per head).
+/// For the exact preconditioners `da0` is the raw gradient of the non-symmetric update as written
+/// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0.
+template <class R, class T>
+RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt = {}) {
+  const detail::Problem<T> p = detail::check_backward<R>(in, gin, grads, opt);
+  RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
+  detail::check_supported<R>(info.backend, opt.algorithm);
+  if (info.backend == Backend::reference) {
+    reference::backward<R, T, double>(p, p.threads);
+    info.impl = "reference/recurrent";
+  } else {
+    info.impl = cpu::backward<R, T>(p, opt.algorithm);
+  }
+  info.algorithm = Algorithm::recurrent;
+  detail::report("backward", info);
+  return info;
+}
+
+/// Decodes `tokens.shape.time` new tokens (usually 1 to 4) for each of `tokens.shape.batch`
+/// sequences, continuing from `state` and updating it in place. Equal to `forward` over the same
+/// tokens with h0/a0 = state and hT/aT written back. `o` is [N, T, HV, V].
+template <class R, class T>
+RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, const Options& opt = {}) {
+  const detail::Problem<T> p = detail::check_decode<R>(state, tokens, o, opt);
+  RunInfo info{detail::select_backend(opt.backend), Algorithm::recurrent, {}};
+  detail::check_supported<R>(info.backend, Algorithm::recurrent);
+  if (info.backend == Backend::reference) {
+    reference::forward<R, T, double>(p, p.threads);
+    info.impl = "reference/decode";
+  } else {
+    reference::forward<R, T, T>(p, p.threads);
+    info.impl = "cpu/decode";
+  }
+  detail::report("decode", info);
+  return info;
+}
+
+}  // namespace dgps

@@ -1,0 +1,3 @@
+/// @brief doctest main for the dgps test suite.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
