@@ -163,3 +163,254 @@ struct CaseTensors {
 };
 
 }  // namespace dgps_test
+
+// ---------------------------------------------------------------------------------------------
+// Random problems and runners shared by the identity, gradient, decode, varlen and random tests.
+// ---------------------------------------------------------------------------------------------
+
+#include <cstdint>
+#include <random>
+#include <type_traits>
+
+#include <dgps/dynamic.hpp>
+
+namespace dgps_test {
+
+/// Deterministic pseudo-random numbers (seeded per test so failures reproduce).
+struct Rng {
+  std::mt19937_64 gen;
+  explicit Rng(uint64_t seed) : gen(seed) {}
+  /// Uniform in [lo, hi).
+  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen); }
+  /// Standard normal.
+  double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen); }
+};
+
+/// Ranges of the random inputs of `random_case`.
+struct Gen {
+  bool h0 = true;                        ///< give an initial state h0
+  bool a0 = true;                        ///< give an initial preconditioner state a0 (models with one)
+  bool final_grads = true;               ///< give dhT (and daT) cotangents
+  double g_lo = -0.6, g_hi = -0.02;      ///< log-decay g
+  double beta_lo = 0.1, beta_hi = 0.9;   ///< gain beta
+  double gp_lo = -0.4, gp_hi = -0.02;    ///< preconditioner log-decay g_p
+  double bp_lo = 0.3, bp_hi = 1.0;       ///< preconditioner gain beta_p
+  std::vector<int64_t> zero_key_tokens;  ///< tokens (packed index b*T + t) whose keys are all zero
+};
+
+/// True when the spec has a preconditioner state (A or P).
+inline bool has_precond_state(const dgps::ModelSpec& s) { return s.precond != dgps::precond::Kind::identity; }
+/// True for the exact (inverse Gram) preconditioners.
+inline bool is_exact(const dgps::ModelSpec& s) {
+  return s.precond == dgps::precond::Kind::exact_atk || s.precond == dgps::precond::Kind::exact_atq;
+}
+/// True for the diagonal (squashed) preconditioners.
+inline bool is_diagonal_precond(const dgps::ModelSpec& s) {
+  return s.precond == dgps::precond::Kind::diagonal_atk || s.precond == dgps::precond::Kind::diagonal_atq;
+}
+
+/// Sizes of the preconditioner state [N, H, K] or [N, H, K, K] (empty for Identity).
+inline std::vector<int64_t> precond_state_dims(const dgps::ModelSpec& s, int64_t N, int64_t H, int64_t K) {
+  if (!has_precond_state(s)) return {};
+  if (is_exact(s)) return {N, H, K, K};
+  return {N, H, K};
+}
+
+/// Product of the sizes (number of elements).
+inline int64_t product(const std::vector<int64_t>& d) {
+  int64_t n = 1;
+  for (int64_t x : d) n *= x;
+  return n;
+}
+
+/// A random problem of model `spec`: every input the model needs, `do`, and (optionally) h0, a0,
+/// dhT, daT; `cu` non-empty makes it a packed varlen batch (shape.batch must be 1). `shape.v_heads`
+/// must be set. Exact-preconditioner a0 is symmetric positive definite.
+inline Case random_case(const dgps::ModelSpec& spec, const dgps::Shape& shape, const std::vector<int64_t>& cu,
+                        uint64_t seed, const Gen& gen = {}) {
+  Case c;
+  c.name = "random";
+  c.spec = spec;
+  c.shape = shape;
+  c.cu = cu;
+  c.N = cu.empty() ? shape.batch : static_cast<int64_t>(cu.size()) - 1;
+  const int64_t B = shape.batch, T = shape.time, H = shape.heads, HV = shape.v_heads, K = shape.key_dim,
+                V = shape.value_dim, N = c.N;
+  Rng rng(seed);
+  auto fill = [&](const std::string& n, std::vector<int64_t> dims, auto f) {
+    std::vector<double> v(static_cast<size_t>(product(dims)));
+    for (auto& x : v) x = f();
+    c.arr[n] = std::move(v);
+    c.shapes[n] = std::move(dims);
+  };
+  auto normal = [&] { return rng.normal(); };
+  fill("q", {B, T, H, K}, normal);
+  fill("k", {B, T, H, K}, normal);
+  for (int64_t tok : gen.zero_key_tokens)
+    for (int64_t i = 0; i < H * K; ++i) c.arr["k"][static_cast<size_t>(tok * H * K + i)] = 0.0;
+  fill("v", {B, T, HV, V}, normal);
+  if (spec.decay == dgps::decay::Kind::scalar) fill("g", {B, T, HV}, [&] { return rng.uniform(gen.g_lo, gen.g_hi); });
+  if (spec.decay == dgps::decay::Kind::diagonal)
+    fill("g", {B, T, HV, K}, [&] { return rng.uniform(gen.g_lo, gen.g_hi); });
+  if (spec.gain == dgps::gain::Kind::scalar)
+    fill("beta", {B, T, HV}, [&] { return rng.uniform(gen.beta_lo, gen.beta_hi); });
+  if (has_precond_state(spec)) {
+    fill("g_p", {B, T, H}, [&] { return rng.uniform(gen.gp_lo, gen.gp_hi); });
+    fill("beta_p", {B, T, H}, [&] { return rng.uniform(gen.bp_lo, gen.bp_hi); });
+  }
+  if (is_diagonal_precond(spec)) fill("center", {H}, [&] { return rng.uniform(-1.0, 0.5); });
+  if (gen.h0) fill("h0", {N, HV, K, V}, [&] { return 0.5 * rng.normal(); });
+  if (gen.a0 && has_precond_state(spec)) {
+    if (is_exact(spec)) {
+      // P0 = (L L^T / K + I) / lambda-ish: symmetric positive definite, moderately conditioned.
+      std::vector<double> a(static_cast<size_t>(N * H * K * K));
+      for (int64_t m = 0; m < N * H; ++m) {
+        std::vector<double> L(static_cast<size_t>(K * K));
+        for (auto& x : L) x = rng.normal();
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < K; ++j) {
+            double s = 0;
+            for (int64_t l = 0; l < K; ++l) s += L[i * K + l] * L[j * K + l];
+            a[m * K * K + i * K + j] = 0.5 * s / double(K) + (i == j ? 0.5 : 0.0);
+          }
+      }
+      c.arr["a0"] = std::move(a);
+      c.shapes["a0"] = {N, H, K, K};
+    } else {
+      fill("a0", {N, H, K}, [&] { return rng.uniform(0.0, 2.0); });
+    }
+  }
+  fill("do", {B, T, HV, V}, normal);
+  if (gen.final_grads) {
+    fill("dhT", {N, HV, K, V}, normal);
+    if (has_precond_state(spec)) {
+      fill("daT", precond_state_dims(spec, N, H, K), normal);
+      if (is_exact(spec)) c.arr["daT"] = symmetrise(c.arr["daT"], K);
+    }
+  }
+  return c;
+}
+
+/// Results of a call as float64 arrays by name ("o", "hT", "aT"; "dq", ..., "dh0", "da0").
+using Arrays = std::map<std::string, std::vector<double>>;
+
+/// A view of `v` with the given sizes (contiguous).
+template <class U>
+dgps::TensorView<U> tv(std::vector<std::remove_const_t<U>>& v, std::vector<int64_t> dims) {
+  dgps::TensorView<U> t;
+  t.data = v.data();
+  t.rank = static_cast<int>(dims.size());
+  int64_t st = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    t.size[d] = dims[d];
+    t.stride[d] = st;
+    st *= dims[d];
+  }
+  return t;
+}
+
+/// Forward of case `c` with input type T: model R at compile time, or dgps::dynamic when R is void.
+/// Requests hT always and aT when the model has a preconditioner state.
+template <class T, class R = void>
+Arrays run_forward(const Case& c, dgps::Options opt) {
+  using S = dgps::state_t<T>;
+  CaseTensors<T> ct(c);
+  const int64_t B = c.shape.batch, Tn = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = c.shape.key_dim,
+                V = c.shape.value_dim;
+  const size_t no = static_cast<size_t>(B * Tn * HV * V);
+  std::vector<T> o(std::max<size_t>(no, 1), T(NAN));  // never null, also for T = 0
+  std::vector<S> hT(static_cast<size_t>(c.N * HV * K * V), S(NAN));
+  const auto adims = precond_state_dims(c.spec, c.N, H, K);
+  std::vector<S> aT(static_cast<size_t>(adims.empty() ? 0 : product(adims)), S(NAN));
+  auto in = ct.inputs(c);
+  auto out = dgps::outputs<T>(o.data()).final_state(hT.data(), aT.empty() ? nullptr : aT.data());
+  if constexpr (std::is_void_v<R>)
+    dgps::dynamic::forward(c.spec, in, out, opt);
+  else
+    dgps::forward<R>(in, out, opt);
+  Arrays r;
+  r["o"] = std::vector<double>(o.begin(), o.begin() + static_cast<std::ptrdiff_t>(no));
+  r["hT"] = std::vector<double>(hT.begin(), hT.end());
+  if (!aT.empty()) r["aT"] = std::vector<double>(aT.begin(), aT.end());
+  return r;
+}
+
+/// Backward of case `c` (cotangents `do` and, when present, `dhT`, `daT`): every gradient of the
+/// inputs present, plus dh0 and (with a preconditioner) da0. Model R, or dgps::dynamic when void.
+template <class T, class R = void>
+Arrays run_backward(const Case& c, dgps::Options opt) {
+  using S = dgps::state_t<T>;
+  CaseTensors<T> ct(c);
+  std::map<std::string, std::vector<T>> gt;
+  std::map<std::string, std::vector<S>> gs;
+  dgps::Grads<T> g;
+  auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
+    if (!c.has(name)) return;
+    auto& buf = gt["d" + name];
+    buf.assign(c.arr.at(name).size(), T(NAN));
+    dst = tv<T>(buf, c.shapes.at(name));
+  };
+  want("q", g.dq);
+  want("k", g.dk);
+  want("v", g.dv);
+  want("g", g.dg);
+  want("beta", g.dbeta);
+  want("g_p", g.dg_p);
+  want("beta_p", g.dbeta_p);
+  want("center", g.dcenter);
+  const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
+  gs["dh0"].assign(static_cast<size_t>(c.N * HV * K * V), S(NAN));
+  g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
+  if (has_precond_state(c.spec)) {
+    const auto ad = precond_state_dims(c.spec, c.N, H, K);
+    gs["da0"].assign(static_cast<size_t>(product(ad)), S(NAN));
+    g.da0 = tv<S>(gs["da0"], ad);
+  }
+  auto in = ct.inputs(c);
+  auto gi = dgps::grads_in<T>(ct.p("do"), ct.ps("dhT"), ct.ps("daT"));
+  if constexpr (std::is_void_v<R>)
+    dgps::dynamic::backward(c.spec, in, gi, g, opt);
+  else
+    dgps::backward<R>(in, gi, g, opt);
+  Arrays r;
+  for (auto& [n, v] : gt) r[n] = std::vector<double>(v.begin(), v.end());
+  for (auto& [n, v] : gs) r[n] = std::vector<double>(v.begin(), v.end());
+  return r;
+}
+
+/// The scalar loss of SPEC §3.8 for forward results `f`: sum(o*do) + sum(hT*dhT) + sum(aT*daT).
+inline double loss_of(const Case& c, const Arrays& f) {
+  auto dot = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+    return s;
+  };
+  double l = dot(f.at("o"), c.arr.at("do"));
+  if (c.has("dhT")) l += dot(f.at("hT"), c.arr.at("dhT"));
+  if (c.has("daT")) l += dot(f.at("aT"), c.arr.at("daT"));
+  return l;
+}
+
+/// Largest |x|.
+inline double max_abs(const std::vector<double>& x) {
+  double m = 0;
+  for (double v : x) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+/// True when every value is finite.
+inline bool all_finite(const std::vector<double>& x) {
+  for (double v : x)
+    if (!std::isfinite(v)) return false;
+  return true;
+}
+
+/// Options for a backend with the SPEC defaults otherwise (single thread unless `threads`).
+inline dgps::Options on(dgps::Backend b, int threads = 1) {
+  dgps::Options o;
+  o.backend = b;
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace dgps_test

@@ -10,6 +10,9 @@
 #include "dgps/cpu/backend.hpp"
 #include "dgps/error.hpp"
 #include "dgps/types.hpp"
+#if defined(DGPS_HAS_CUDA)
+#include "dgps/cuda.hpp"
+#endif
 
 namespace dgps {
 
@@ -27,8 +30,14 @@ inline Algorithm algorithm_from_string(std::string_view s) {
   throw Error("unknown algorithm '" + std::string(s) + "' (expected automatic, recurrent or chunkwise)");
 }
 
-/// True when this build has the CUDA backend and a usable GPU is present.
-inline bool cuda_available() { return false; }
+/// True when this build has the CUDA backend (the program links dgps::cuda) and a usable GPU is present.
+inline bool cuda_available() {
+#if defined(DGPS_HAS_CUDA)
+  return cuda::available();
+#else
+  return false;
+#endif
+}
 
 /// The backends usable in this process, fastest first (the reference backend is always last).
 inline std::vector<Backend> available_backends() {
@@ -70,7 +79,12 @@ template <class R>
 bool supports(Backend backend, Algorithm algorithm = Algorithm::automatic) {
   switch (backend) {
     case Backend::reference: return algorithm != Algorithm::chunkwise;
-    case Backend::cuda: return false;
+    case Backend::cuda:
+#if defined(DGPS_HAS_CUDA)
+      return cuda::supports(spec_of<R>(), algorithm);
+#else
+      return false;
+#endif
     default: return cpu::supports<R>(algorithm);
   }
 }

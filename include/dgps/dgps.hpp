@@ -15,6 +15,9 @@
 #include "dgps/tensor.hpp"
 #include "dgps/types.hpp"
 #include "dgps/version.hpp"
+#if defined(DGPS_HAS_CUDA)
+#include "dgps/cuda/dispatch.hpp"
+#endif
 
 namespace dgps {
 
@@ -33,6 +36,9 @@ void check_supported(Backend b, Algorithm a) {
 /// detail/check.hpp for the rules. Returns which implementation ran.
 template <class R, class T>
 RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
+#if defined(DGPS_HAS_CUDA)
+  if (detail::wants_cuda(opt.backend, in.q.data)) return detail::cuda_forward<R>(in, out, opt);
+#endif
   const detail::Problem<T> p = detail::check_forward<R>(in, out, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
   detail::check_supported<R>(info.backend, opt.algorithm);
@@ -41,8 +47,9 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
     info.impl = "reference/recurrent";
     info.algorithm = Algorithm::recurrent;
   } else {
-    info.impl = cpu::forward<R, T>(p, opt.algorithm);
-    info.algorithm = Algorithm::recurrent;
+    const cpu::Ran ran = cpu::forward<R, T>(p, opt.algorithm);
+    info.impl = ran.impl;
+    info.algorithm = ran.algorithm;
   }
   detail::report("forward", info);
   return info;
@@ -71,9 +78,14 @@ RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& gra
 
 /// Decodes `tokens.shape.time` new tokens (usually 1 to 4) for each of `tokens.shape.batch`
 /// sequences, continuing from `state` and updating it in place. Equal to `forward` over the same
-/// tokens with h0/a0 = state and hT/aT written back. `o` is [N, T, HV, V].
+/// tokens with h0/a0 = state and hT/aT written back. `o` is [N, T, HV, V]: a TensorView or a bare
+/// pointer (T is deduced from `state` and `tokens` only).
 template <class R, class T>
-RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, const Options& opt = {}) {
+RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, std::type_identity_t<Out<T>> o,
+               const Options& opt = {}) {
+#if defined(DGPS_HAS_CUDA)
+  if (detail::wants_cuda(opt.backend, tokens.q.data)) return detail::cuda_decode<R>(state, tokens, o, opt);
+#endif
   const detail::Problem<T> p = detail::check_decode<R>(state, tokens, o, opt);
   RunInfo info{detail::select_backend(opt.backend), Algorithm::recurrent, {}};
   detail::check_supported<R>(info.backend, Algorithm::recurrent);
@@ -81,8 +93,7 @@ RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, c
     reference::forward<R, T, double>(p, p.threads);
     info.impl = "reference/decode";
   } else {
-    reference::forward<R, T, T>(p, p.threads);
-    info.impl = "cpu/decode";
+    info.impl = cpu::decode<R, T>(p);
   }
   detail::report("decode", info);
   return info;

@@ -1,0 +1,164 @@
+/// @brief Run-time instruction-set selection (in one place) and the parallel drivers of the CPU leaf kernels.
+///
+/// Compiled with the baseline flags only. The ISA is the best one the CPU supports among those this
+/// build compiled (DGPS_CPU_HAVE_AVX512 / DGPS_CPU_HAVE_AVX2), capped by DGPS_MAX_CPU_ISA
+/// (avx512 | avx2 | generic), which is read on every call.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dgps/cpu/kernels.hpp"
+#include "dgps/detail/parallel.hpp"
+#include "isa.hpp"
+
+namespace dgps::cpu::kernels {
+
+namespace {
+
+enum class Level { generic = 0, avx2 = 1, avx512 = 2 };
+
+/// The best level this CPU runs (cached: CPU features do not change).
+Level cpu_level() {
+  static const Level level = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+      return Level::avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::avx2;
+#endif
+    return Level::generic;
+  }();
+  return level;
+}
+
+/// The cap from DGPS_MAX_CPU_ISA (no cap when unset or unrecognised).
+Level env_cap() {
+  const char* env = std::getenv("DGPS_MAX_CPU_ISA");
+  if (!env || !*env) return Level::avx512;
+  if (std::strcmp(env, "generic") == 0) return Level::generic;
+  if (std::strcmp(env, "avx2") == 0) return Level::avx2;
+  return Level::avx512;
+}
+
+IsaKernels select() {
+  const Level want = static_cast<Level>(std::min(int(cpu_level()), int(env_cap())));
+#if defined(DGPS_CPU_HAVE_AVX512)
+  if (want == Level::avx512) return avx512::table();
+#endif
+#if defined(DGPS_CPU_HAVE_AVX2)
+  if (want >= Level::avx2) return avx2::table();
+#endif
+  (void)want;
+  return generic::table();
+}
+
+/// Name strings with static storage for every ISA and operation.
+const char* impl_name(const char* op, const char* isa) {
+  static const std::string names[2][3] = {
+      {"cpu/chunkwise/avx512", "cpu/chunkwise/avx2", "cpu/chunkwise/generic"},
+      {"cpu/decode/avx512", "cpu/decode/avx2", "cpu/decode/generic"}};
+  const int o = std::strcmp(op, "chunkwise") == 0 ? 0 : 1;
+  const int i = std::strcmp(isa, "avx512") == 0 ? 0 : std::strcmp(isa, "avx2") == 0 ? 1 : 2;
+  return names[o][i].c_str();
+}
+
+/// Copies the diagonal statistics a0 [N, H, K] into `buf` and points `p.a0` at it, so that tasks
+/// writing aT never race with tasks still reading a0 when the caller passed the same memory.
+template <class T>
+void snapshot_a0(KernelParams& p, int64_t pool, std::vector<unsigned char>& buf) {
+  const bool diag = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
+  if (!diag || !p.a0.data || !p.aT.data) return;
+  buf.resize(size_t(pool * p.H * p.K) * sizeof(T));
+  T* dst = reinterpret_cast<T*>(buf.data());
+  const T* src = static_cast<const T*>(p.a0.data);
+  for (int64_t n = 0; n < pool; ++n)
+    for (int64_t h = 0; h < p.H; ++h)
+      for (int64_t c = 0; c < p.K; ++c)
+        dst[(n * p.H + h) * p.K + c] = src[n * p.a0.stride[0] + h * p.a0.stride[1] + c];
+  p.a0.data = dst;
+  p.a0.stride[0] = p.H * p.K;
+  p.a0.stride[1] = p.K;
+  p.a0.stride[2] = 1;
+}
+
+/// Calls fn(i) for i in [0, n) on up to `threads` threads (0 = all). Unlike detail::parallel_for,
+/// the TBB arena of each thread count is created once and reused: decode calls take microseconds,
+/// and building an arena per call would cost more than the work.
+template <class F>
+void run_tasks(int64_t n, int threads, bool fixed_partition, F&& fn) {
+  if (n <= 0) return;
+#if defined(DGPS_HAS_TBB)
+  const int want = threads > 0 ? threads : dgps::detail::hardware_threads();
+  if (want == 1 || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  static std::mutex m;
+  static std::map<int, std::unique_ptr<tbb::task_arena>> arenas;
+  tbb::task_arena* arena = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(m);
+    auto& slot = arenas[want];
+    if (!slot) slot = std::make_unique<tbb::task_arena>(want);
+    arena = slot.get();
+  }
+  // A fixed (static) partition gives each thread the same tasks on every call, so a decode loop
+  // keeps each head's state in the cache of the core that updates it; otherwise work stealing
+  // balances unequal tasks (varlen).
+  const auto body = [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i != r.end(); ++i) fn(i);
+  };
+  arena->execute([&] {
+    if (fixed_partition)
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1), body, tbb::static_partitioner());
+    else
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1), body);
+  });
+#else
+  (void)fixed_partition;
+  dgps::detail::parallel_for(n, threads, std::forward<F>(fn));
+#endif
+}
+
+}  // namespace
+
+const char* isa_name() { return select().name; }
+
+const char* chunkwise_forward(const KernelParams& params) {
+  const IsaKernels isa = select();
+  KernelParams p = params;
+  std::vector<unsigned char> a0copy;
+  if (p.dtype == DType::f64)
+    snapshot_a0<double>(p, p.N, a0copy);
+  else
+    snapshot_a0<float>(p, p.N, a0copy);
+  // Parallel over (sequence, value head); with fewer pairs than threads, also over blocks of value
+  // columns (independent in the recurrence, SPEC §2), each at least 32 columns wide.
+  const int64_t pairs = p.N * p.HV;
+  const int64_t threads = p.threads > 0 ? p.threads : dgps::detail::hardware_threads();
+  int64_t vsplit = 1;
+  if (pairs > 0 && pairs < threads) vsplit = std::max<int64_t>(1, std::min((threads + pairs - 1) / pairs, p.V / 32));
+  run_tasks(pairs * vsplit, p.threads, false, [&](int64_t task) { isa.chunk_task(p, task, vsplit); });
+  return impl_name("chunkwise", isa.name);
+}
+
+const char* decode(const KernelParams& p) {
+  const IsaKernels isa = select();
+  // One task per (sequence, key head) group: the group's value heads share the preconditioner
+  // state, so a0/aT (possibly the same memory) are read and written by one task only.
+  const int64_t tasks = p.N * p.H;
+  // Below ~200 kFLOP of state work per call waking a second thread costs more than it saves.
+  const int64_t work = tasks * (p.HV / p.H) * p.K * p.V * (p.T > 0 ? p.T : 1);
+  const int threads = work < (int64_t(1) << 15) ? 1 : p.threads;
+  run_tasks(tasks, threads, true, [&](int64_t task) { isa.decode_task(p, task); });
+  return impl_name("decode", isa.name);
+}
+
+}  // namespace dgps::cpu::kernels

@@ -1,0 +1,24 @@
+/// @brief Internal: the entry points every per-ISA leaf-kernel translation unit exports.
+#pragma once
+
+#include <cstdint>
+
+#include "dgps/cpu/kernels.hpp"
+
+namespace dgps::cpu::kernels {
+
+/// One instruction set's compiled kernels. Each task is independent; tasks are numbered
+/// (n * HV + hv) * vsplit + value-column block (chunkwise forward) or n * H + h (decode, one task
+/// per key-head group).
+struct IsaKernels {
+  const char* name;
+  void (*chunk_task)(const KernelParams&, int64_t task, int64_t vsplit);
+  void (*decode_task)(const KernelParams&, int64_t task);
+};
+
+/// Defined in kernel_<isa>.cpp (only for the instruction sets this build compiles).
+namespace avx512 { IsaKernels table(); }
+namespace avx2 { IsaKernels table(); }
+namespace generic { IsaKernels table(); }
+
+}  // namespace dgps::cpu::kernels

@@ -1,0 +1,889 @@
+/// @brief Body of the CPU leaf kernels (chunkwise forward SPEC §4, decode SPEC §2), compiled once per ISA.
+///
+/// Included by kernel_<isa>.cpp with DGPS_ISA_NS set to the ISA's namespace. Everything except the
+/// exported `table()` has internal linkage (anonymous namespace) and no standard-library inline code
+/// is instantiated here, so the per-ISA copies never collide at link time (no ODR mixing of AVX-512
+/// code into the generic path). Vectors are GCC/Clang vector extensions sized for the ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "isa.hpp"
+
+namespace dgps::cpu::kernels::DGPS_ISA_NS {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+constexpr int kMR = 8;  // rows of the GEMM register block (2 vectors wide): 16 of 32 registers
+#elif defined(__AVX2__)
+constexpr int kVecBytes = 32;
+constexpr int kMR = 6;  // 12 of 16 registers
+#else
+constexpr int kVecBytes = 16;
+constexpr int kMR = 6;
+#endif
+
+/// The ISA's vector of T, aligned and unaligned (may_alias) flavours.
+template <class T>
+struct Vec {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+  typedef T utype __attribute__((vector_size(kVecBytes), aligned(sizeof(T)), may_alias));
+  static constexpr int L = kVecBytes / int(sizeof(T));
+};
+typedef int32_t VI __attribute__((vector_size(kVecBytes)));
+using VF = Vec<float>::type;
+
+template <class T>
+inline typename Vec<T>::type vload(const T* p) {
+  return *reinterpret_cast<const typename Vec<T>::utype*>(p);
+}
+template <class T>
+inline void vstore(T* p, typename Vec<T>::type x) {
+  *reinterpret_cast<typename Vec<T>::utype*>(p) = x;
+}
+template <class T>
+inline typename Vec<T>::type vsplat(T x) {
+  return typename Vec<T>::type{} + x;
+}
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Sequence geometry, computed here rather than through KernelParams' inline members so that no
+// header inline function is instantiated with this ISA's flags.
+inline int64_t seq_begin(const KernelParams& p, int64_t n) { return p.cu_seqlens ? p.cu_seqlens[n] : 0; }
+inline int64_t seq_len(const KernelParams& p, int64_t n) {
+  return p.cu_seqlens ? p.cu_seqlens[n + 1] - p.cu_seqlens[n] : p.T;
+}
+inline int64_t seq_batch(const KernelParams& p, int64_t n) { return p.cu_seqlens ? 0 : n; }
+inline int64_t state_index(const KernelParams& p, int64_t n) { return p.slots ? p.slots[n] : n; }
+inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// Vector exp / log for float (Cephes-style range reduction + minimax polynomials, ~1 ulp).
+
+inline VF exp_v(VF x) {
+  const VF xc = x < vsplat(-87.0f) ? vsplat(-87.0f) : (x > vsplat(88.0f) ? vsplat(88.0f) : x);
+  const VF magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const VF z = xc * 1.44269504088896341f + magic;
+  const VF n = z - magic;
+  const VI ni = (VI)z - (VI)magic;
+  VF r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  VF p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  VF y = p * r * r + r + 1.0f;
+  y = y * (VF)((ni + 127) << 23);
+  return x < vsplat(-87.0f) ? vsplat(0.0f) : y;
+}
+
+/// Natural log for x >= FLT_MIN (normal, positive).
+inline VF log_v(VF x) {
+  const VI bits = (VI)x;
+  VI e = ((bits >> 23) & 0xff) - 126;
+  VF m = (VF)((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
+  const VI small = m < vsplat(0.707106781186547524f);
+  e = e + small;  // small is -1 where true
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const VF z = m * m;
+  VF y = vsplat(7.0376836292e-2f);
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const VF ef = __builtin_convertvector(e, VF);
+  y = y + ef * -2.12194440e-4f;
+  y = y - 0.5f * z;
+  return m + y + ef * 0.693359375f;
+}
+
+/// x[i] = exp(x[i]) for i < n (n a multiple of the vector length for float).
+template <class T>
+void exp_inplace(T* x, int64_t n) {
+  if constexpr (sizeof(T) == 4) {
+    for (int64_t i = 0; i < n; i += Vec<float>::L) vstore(x + i, exp_v(vload(x + i)));
+  } else {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+  }
+}
+
+/// The squash of SPEC §2 for one value: M = exp(-log(x) r / (1 + |r|)), r = log(A + eps) - center.
+template <class T>
+inline T squash1(T A, T center, T log_x, T eps) {
+  const T ae = A + eps;
+  if (!(ae > T(0))) return std::exp(log_x);
+  const T r = std::log(ae) - center;
+  return std::exp(-log_x * (r / (T(1) + std::fabs(r))));
+}
+
+/// a[i] = squash(a[i]) for i < n (n a multiple of the vector length for float).
+template <class T>
+void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
+  if constexpr (sizeof(T) == 4) {
+    constexpr int L = Vec<float>::L;
+    for (int64_t i = 0; i < n; i += L) {
+      const VF ae = vload(a + i) + eps;
+      bool normal = true;
+      for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
+      if (normal) {
+        const VF r = log_v(ae) - center;
+        const VF ar = r < vsplat(0.0f) ? -r : r;
+        vstore(a + i, exp_v(-log_x * (r / (1.0f + ar))));
+      } else {
+        for (int l = 0; l < L; ++l) a[i + l] = squash1(a[i + l], center, log_x, eps);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) a[i] = squash1(a[i], center, log_x, eps);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
+
+template <class T, int MR, int NV>
+inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  V c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * L) : V{};
+  for (int64_t k = 0; k < kd; ++k) {
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
+    for (int r = 0; r < MR; ++r) {
+      const T a = A[r * lda + k];
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * L, c[r][v]);
+}
+
+template <class T, int NV, int MR = kMR>
+inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+                      bool acc) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) return gemm_block<T, MR, NV>(kd, A, lda, B, ldb, C, ldc, acc);
+    return gemm_rows<T, NV, MR - 1>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+  }
+}
+
+/// Triangular structure a product may skip: none; A lower-triangular (A[i][k] = 0 for k > i, so row
+/// block i0.. needs k < i0 + rows); or only C's lower triangle wanted (C[i][j] for j <= i).
+enum class Tri { none, a_lower, c_lower };
+
+template <class T>
+void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+          bool acc, Tri tri = Tri::none) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
+    const bool two = j0 + 2 * L <= n;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = int(imin(kMR, m - i0));
+      if (tri == Tri::c_lower && j0 >= i0 + mr) continue;
+      const int64_t k = tri == Tri::a_lower ? imin(kd, i0 + mr) : kd;
+      if (two)
+        gemm_rows<T, 2>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+      else
+        gemm_rows<T, 1>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// A zero-initialised, 64-byte aligned scratch block owned by one task.
+template <class T>
+struct Scratch {
+  T* base = nullptr;
+  explicit Scratch(int64_t n) {
+    const size_t bytes = size_t(round_up(n * int64_t(sizeof(T)), 64));
+    base = static_cast<T*>(std::aligned_alloc(64, bytes));
+    if (base) std::memset(base, 0, bytes);
+  }
+  ~Scratch() { std::free(base); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+template <class T>
+inline const T* cptr(const KView& v) {
+  return static_cast<const T*>(v.data);
+}
+template <class T>
+inline T* mptr(const KView& v) {
+  return static_cast<T*>(v.data);
+}
+
+/// Loads one q/k row, L2-normalised (SPEC §1: x / sqrt(sum x^2 + 1e-6)) when `norm`, times `mul`.
+/// The sum of squares is accumulated in vector lanes (a tree order, not the sequential one).
+template <class T>
+inline void load_row(const T* x, int64_t K, bool norm, T mul, T* out) {
+  constexpr int L = Vec<T>::L;
+  T rstd = 1;
+  if (norm) {
+    typename Vec<T>::type acc0{}, acc1{};
+    int64_t i = 0;
+    for (; i + 2 * L <= K; i += 2 * L) {
+      const auto a = vload(x + i), b = vload(x + i + L);
+      acc0 += a * a;
+      acc1 += b * b;
+    }
+    for (; i + L <= K; i += L) {
+      const auto a = vload(x + i);
+      acc0 += a * a;
+    }
+    acc0 += acc1;
+    T ss = 0;
+    for (int l = 0; l < L; ++l) ss += acc0[l];
+    for (; i < K; ++i) ss += x[i] * x[i];
+    rstd = T(1) / std::sqrt(ss + T(1e-6));
+  }
+  const T f = rstd * mul;
+  for (int64_t i = 0; i < K; ++i) out[i] = x[i] * f;
+}
+
+/// Prefetches `bytes` bytes starting at `p` into the cache hierarchy (a hint; never faults).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+/// Solves (I + A) R = R in place for a unit lower-triangular A (rows of `lda`, strictly lower part
+/// used) by forward substitution; R is m x n (n a multiple of the vector length, row stride `ldr`).
+/// Each row's block of up to 8 vectors stays in registers while the earlier rows stream past.
+template <class T>
+void lower_solve(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  constexpr int NB = 8;
+  for (int64_t e0 = 0; e0 < n; e0 += NB * L) {
+    const int nb = int(imin(NB, (n - e0) / L));
+    for (int64_t i = 1; i < m; ++i) {
+      V acc[NB];
+      T* ri = R + i * ldr + e0;
+      for (int v = 0; v < NB; ++v) acc[v] = v < nb ? vload(ri + v * L) : V{};
+      const T* ai = A + i * lda;
+      for (int64_t j = 0; j < i; ++j) {
+        const T a = ai[j];
+        const T* rj = R + j * ldr + e0;
+        if (nb == NB) {
+          for (int v = 0; v < NB; ++v) acc[v] -= a * vload(rj + v * L);
+        } else {
+          for (int v = 0; v < nb; ++v) acc[v] -= a * vload(rj + v * L);
+        }
+      }
+      for (int v = 0; v < nb; ++v) vstore(ri + v * L, acc[v]);
+    }
+  }
+}
+
+/// The per-call constants shared by the kernels.
+template <class T>
+struct Setup {
+  const KernelParams& p;
+  int64_t K, V, r, Kp, Vp;
+  bool online, diag_pre, atk, atq, gain;
+  decay::Kind decay;
+  T scale, log_x, eps;
+  explicit Setup(const KernelParams& pp)
+      : p(pp), K(pp.K), V(pp.V), r(pp.HV / pp.H), Kp(round_up(pp.K, Vec<T>::L)), Vp(round_up(pp.V, Vec<T>::L)),
+        online(pp.spec.solve == solve::Kind::online),
+        diag_pre(pp.spec.precond == precond::Kind::diagonal_atk || pp.spec.precond == precond::Kind::diagonal_atq),
+        atk(pp.spec.precond == precond::Kind::diagonal_atk), atq(pp.spec.precond == precond::Kind::diagonal_atq),
+        gain(pp.spec.gain == gain::Kind::scalar), decay(pp.spec.decay), scale(T(pp.scale)), log_x(T(std::log(pp.x))),
+        eps(T(pp.eps)) {}
+
+  const T* qrow(int64_t b, int64_t t, int64_t h) const {
+    return cptr<T>(p.q) + b * p.q.stride[0] + t * p.q.stride[1] + h * p.q.stride[2];
+  }
+  const T* krow(int64_t b, int64_t t, int64_t h) const {
+    return cptr<T>(p.k) + b * p.k.stride[0] + t * p.k.stride[1] + h * p.k.stride[2];
+  }
+  const T* vrow(int64_t b, int64_t t, int64_t hv) const {
+    return cptr<T>(p.v) + b * p.v.stride[0] + t * p.v.stride[1] + hv * p.v.stride[2];
+  }
+  T* orow(int64_t b, int64_t t, int64_t hv) const {
+    return mptr<T>(p.o) + b * p.o.stride[0] + t * p.o.stride[1] + hv * p.o.stride[2];
+  }
+  /// The gate of token t: one value (scalar decay) or K values (diagonal decay).
+  const T* grow(int64_t b, int64_t t, int64_t hv) const {
+    return cptr<T>(p.g) + b * p.g.stride[0] + t * p.g.stride[1] + hv * p.g.stride[2];
+  }
+  T beta(int64_t b, int64_t t, int64_t hv) const {
+    return gain ? cptr<T>(p.beta)[b * p.beta.stride[0] + t * p.beta.stride[1] + hv * p.beta.stride[2]] : T(1);
+  }
+  T gp(int64_t b, int64_t t, int64_t h) const {
+    return cptr<T>(p.g_p)[b * p.g_p.stride[0] + t * p.g_p.stride[1] + h * p.g_p.stride[2]];
+  }
+  T bp(int64_t b, int64_t t, int64_t h) const {
+    return cptr<T>(p.beta_p)[b * p.beta_p.stride[0] + t * p.beta_p.stride[1] + h * p.beta_p.stride[2]];
+  }
+  T center(int64_t h) const { return cptr<T>(p.center)[h * p.center.stride[0]]; }
+  T* state(const KView& s, int64_t si, int64_t hv) const {
+    return mptr<T>(s) + si * s.stride[0] + hv * s.stride[1];
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Chunkwise forward (SPEC §4), one task per (sequence n, value head hv).
+
+/// Sub-block rows of the diagonal-decay intra-chunk matrices (a multiple of every vector length).
+constexpr int64_t kSub = 16;
+
+template <class T>
+void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
+  const Setup<T> s(p);
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  // The recurrence never mixes value columns: with fewer (sequence, head) pairs than threads the
+  // V columns are split into `vsplit` blocks, each a task of its own ([v0, v1), a multiple of L wide).
+  const int64_t pair = task / vsplit, vb = task % vsplit;
+  const int64_t n = pair / p.HV, hv = pair % p.HV, h = hv / s.r;
+  const int64_t vw = round_up((p.V + vsplit - 1) / vsplit, L);
+  const int64_t v0 = imin(p.V, vb * vw), v1 = imin(p.V, v0 + vw);
+  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
+  const int64_t K = s.K, Vd = v1 - v0, Kp = s.Kp, Vp = round_up(Vd, L);
+  // A sequence shorter than the chunk is one chunk of its own length (smaller scratch).
+  const int64_t C = imin(p.chunk < 1 ? 1 : p.chunk, len < 1 ? 1 : len);
+  const int64_t Cp = round_up(C, L);
+
+  // Scratch layout (all zero-initialised; padding columns stay zero).
+  const int64_t nS = K * Vp, nA = Kp, nKQ = 2 * C * Kp, nM = C * Kp, nKW = C * Kp, nV = C * Vp, nGam = C * Kp,
+                nBeta = Cp, nAQ = 2 * C * Kp, nKWT = Kp * Cp, nG = 2 * C * Vp, nR = C * Vp, nP = 2 * C * Cp,
+                nAkk = C * Cp, nAqk = C * Cp, nTmp = Kp + Cp, nLQ = 2 * kSub * Kp;
+  Scratch<T> mem(nS + nA + nKQ + nM + nKW + nV + nGam + nBeta + nAQ + 2 * nKWT + nG + nR + nP + nAkk + nAqk + nTmp +
+                 nLQ);
+  T* S = mem.base;
+  T* A = S + nS;
+  T* KQ = A + nA;
+  T* Mb = KQ + nKQ;
+  T* KWb = Mb + nM;
+  T* Vb = KWb + nKW;
+  T* Gam = Vb + nV;
+  T* Bt = Gam + nGam;
+  T* AQ = Bt + nBeta;
+  T* KWT = AQ + nAQ;
+  T* KWdT = KWT + nKWT;
+  T* G = KWdT + nKWT;
+  T* R = G + nG;
+  T* P = R + nR;
+  T* Akk = P + nP;
+  T* Aqk = Akk + nAkk;
+  T* tmp = Aqk + nAqk;
+  T* LQ = tmp + nTmp;
+
+  if (p.h0.data) {
+    const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
+    for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * Vp, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+  }
+  const T ctr = s.diag_pre ? s.center(h) : T(0);
+  if (s.diag_pre && p.a0.data) {
+    const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+    for (int64_t c = 0; c < K; ++c) A[c] = a0[c];
+  }
+  const bool diag = s.decay == decay::Kind::diagonal;
+
+  for (int64_t cs = 0; cs < len; cs += C) {
+    const int64_t c = imin(C, len - cs);
+    T* Kn = KQ;           // read keys, rows [0, c)
+    T* Qr = KQ + c * Kp;  // read queries, rows [c, 2c)
+    // 1. Load and normalise (SPEC §1), values, gains, chunk-local cumulative gates gamma (SPEC §4).
+    for (int64_t i = 0; i < c; ++i) {
+      const int64_t t = t0 + cs + i;
+      // Prefetch row i of the next chunk (spread over this loop so the requests never pile up):
+      // it arrives while this chunk's products run.
+      if (cs + c + i < len) {
+        prefetch(s.qrow(b, t + c, h), K * int64_t(sizeof(T)));
+        prefetch(s.krow(b, t + c, h), K * int64_t(sizeof(T)));
+        prefetch(s.vrow(b, t + c, hv) + v0, Vd * int64_t(sizeof(T)));
+        if (diag) prefetch(s.grow(b, t + c, hv), K * int64_t(sizeof(T)));
+      }
+      load_row(s.qrow(b, t, h), K, p.l2norm, s.scale, Qr + i * Kp);
+      load_row(s.krow(b, t, h), K, p.l2norm, T(1), Kn + i * Kp);
+      std::memcpy(Vb + i * Vp, s.vrow(b, t, hv) + v0, size_t(Vd) * sizeof(T));
+      Bt[i] = s.beta(b, t, hv);
+      if (s.decay == decay::Kind::scalar) {
+        Gam[i] = s.grow(b, t, hv)[0] + (i ? Gam[i - 1] : T(0));
+      } else if (diag) {
+        const T* g = s.grow(b, t, hv);
+        for (int64_t ch = 0; ch < K; ++ch) Gam[i * Kp + ch] = g[ch] + (i ? Gam[(i - 1) * Kp + ch] : T(0));
+      }
+    }
+    if (!diag && s.decay != decay::Kind::scalar)
+      for (int64_t i = 0; i < c; ++i) Gam[i] = 0;
+    // 2. Diagonal preconditioner (SPEC §2): A_t = exp(g_p) A + beta_p k⊙k, M = squash(A_t).
+    const T* KW = Kn;
+    if (s.diag_pre) {
+      for (int64_t i = 0; i < c; ++i) {
+        const int64_t t = t0 + cs + i;
+        const T a = std::exp(s.gp(b, t, h)), bb = s.bp(b, t, h);
+        const T* kn = Kn + i * Kp;
+        T* m = Mb + i * Kp;
+        for (int64_t ch = 0; ch < K; ++ch) {
+          A[ch] = a * A[ch] + bb * kn[ch] * kn[ch];
+          m[ch] = A[ch];
+        }
+      }
+      squash_inplace(Mb, c * Kp, ctr, s.log_x, s.eps);
+      if (s.atk) {
+        for (int64_t i = 0; i < c * Kp; ++i) KWb[i] = Kn[i] * Mb[i];
+        KW = KWb;
+      } else {
+        for (int64_t i = 0; i < c * Kp; ++i) Qr[i] *= Mb[i];
+      }
+    }
+    // 3. Decayed operands: Kd_i = beta_i e^{gamma_i} ⊙ Kn_i, Qd_i = e^{gamma_i} ⊙ Qr_i,
+    //    KWdT = (KW ⊙ e^{gamma_C - gamma})^T, KWT = KW^T. Every exponent is <= 0 for g <= 0.
+    T* Kd = AQ;
+    T* Qd = AQ + c * Kp;
+    const T* gl = diag ? Gam + (c - 1) * Kp : nullptr;
+    if (diag) {
+      for (int64_t i = 0; i < c; ++i) {
+        std::memcpy(tmp, Gam + i * Kp, size_t(Kp) * sizeof(T));
+        exp_inplace(tmp, Kp);
+        for (int64_t ch = 0; ch < Kp; ++ch) {
+          Kd[i * Kp + ch] = Bt[i] * tmp[ch] * Kn[i * Kp + ch];
+          Qd[i * Kp + ch] = tmp[ch] * Qr[i * Kp + ch];
+        }
+        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gl[ch] - Gam[i * Kp + ch];
+        exp_inplace(tmp, Kp);
+        for (int64_t ch = 0; ch < K; ++ch) KWdT[ch * Cp + i] = KW[i * Kp + ch] * tmp[ch];
+      }
+    } else {
+      for (int64_t i = 0; i < Cp; ++i) tmp[i] = i < c ? Gam[i] : T(0);
+      exp_inplace(tmp, Cp);  // e^{gamma_i}
+      for (int64_t i = 0; i < c; ++i)
+        for (int64_t ch = 0; ch < Kp; ++ch) {
+          Kd[i * Kp + ch] = Bt[i] * tmp[i] * Kn[i * Kp + ch];
+          Qd[i * Kp + ch] = tmp[i] * Qr[i * Kp + ch];
+        }
+      for (int64_t i = 0; i < Cp; ++i) tmp[i] = i < c ? Gam[c - 1] - Gam[i] : T(0);
+      exp_inplace(tmp, Cp);  // e^{gamma_C - gamma_j}
+      for (int64_t ch = 0; ch < K; ++ch)
+        for (int64_t j = 0; j < c; ++j) {
+          KWT[ch * Cp + j] = KW[j * Kp + ch];
+          KWdT[ch * Cp + j] = KW[j * Kp + ch] * tmp[j];
+        }
+    }
+    for (int64_t ch = 0; ch < K; ++ch)
+      for (int64_t j = c; j < Cp; ++j) KWT[ch * Cp + j] = KWdT[ch * Cp + j] = 0;
+    // 4. Inter-chunk products with S_in: G = [Kd; Qd] S_in (online), Qd S_in (offline).
+    if (s.online)
+      gemm(2 * c, Vp, K, Kd, Kp, S, Vp, G, Vp, false);
+    else
+      gemm(c, Vp, K, Qd, Kp, S, Vp, G + c * Vp, Vp, false);
+    // 5. R <- beta ⊙ V - Kd S_in (online) or beta ⊙ V (offline): the right-hand side of (I + Akk) R = X.
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t e = 0; e < Vp; ++e)
+        R[i * Vp + e] = Bt[i] * Vb[i * Vp + e] - (s.online ? G[i * Vp + e] : T(0));
+    // 6. Intra-chunk matrices: Akk[i,j] = beta_i sum_c Kn_ic KW_jc e^{gamma_ic - gamma_jc} (j < i),
+    //    Aqk[i,j] = sum_c Qr_ic KW_jc e^{gamma_ic - gamma_jc} (j <= i); differences inside exp (SPEC §4).
+    if (diag) {
+      // Sub-blocks of kSub rows. Diagonal blocks: exact per-pair exponent differences. Block I
+      // against all earlier rows j < i0 (i0 = I's first row): e^{gamma_i - gamma_j} =
+      // e^{gamma_i - gamma_i0} e^{gamma_i0 - gamma_j}, both factors <= 1 (no overflow for any
+      // g <= 0), so the off-diagonal part is one product [Kl; Ql] (KW ⊙ e^{gamma_i0 - gamma})^T.
+      for (int64_t i0 = kSub; i0 < c; i0 += kSub) {
+        const int64_t nb = imin(kSub, c - i0);
+        const T* g0 = Gam + i0 * Kp;
+        for (int64_t i = 0; i < nb; ++i) {
+          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = Gam[(i0 + i) * Kp + ch] - g0[ch];
+          exp_inplace(tmp, Kp);
+          for (int64_t ch = 0; ch < Kp; ++ch) {
+            LQ[i * Kp + ch] = Kn[(i0 + i) * Kp + ch] * tmp[ch];
+            LQ[(nb + i) * Kp + ch] = Qr[(i0 + i) * Kp + ch] * tmp[ch];
+          }
+        }
+        for (int64_t j = 0; j < i0; ++j) {
+          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = g0[ch] - Gam[j * Kp + ch];
+          exp_inplace(tmp, Kp);
+          for (int64_t ch = 0; ch < K; ++ch) KWT[ch * Cp + j] = KW[j * Kp + ch] * tmp[ch];
+        }
+        gemm(2 * nb, i0, K, LQ, Kp, KWT, Cp, P, Cp, false);
+        for (int64_t i = 0; i < nb; ++i)
+          for (int64_t j = 0; j < i0; ++j) {
+            Akk[(i0 + i) * Cp + j] = Bt[i0 + i] * P[i * Cp + j];
+            Aqk[(i0 + i) * Cp + j] = P[(nb + i) * Cp + j];
+          }
+      }
+      for (int64_t i = 0; i < c; ++i) {
+        T* ak = Akk + i * Cp;
+        T* aq = Aqk + i * Cp;
+        const T* gi = Gam + i * Kp;
+        for (int64_t j = i / kSub * kSub; j <= i; ++j) {
+          const T* gj = Gam + j * Kp;
+          const T* kw = KW + j * Kp;
+          T sk = 0, sq = 0;
+          if constexpr (sizeof(T) == 4) {
+            V accq{}, acck{};
+            for (int64_t ch = 0; ch < Kp; ch += L) {
+              const V w = exp_v(vload(gi + ch) - vload(gj + ch)) * vload(kw + ch);
+              accq += vload(Qr + i * Kp + ch) * w;
+              acck += vload(Kn + i * Kp + ch) * w;
+            }
+            for (int l = 0; l < L; ++l) {
+              sq += accq[l];
+              sk += acck[l];
+            }
+          } else {
+            for (int64_t ch = 0; ch < K; ++ch) {
+              const T w = std::exp(gi[ch] - gj[ch]) * kw[ch];
+              sq += Qr[i * Kp + ch] * w;
+              sk += Kn[i * Kp + ch] * w;
+            }
+          }
+          aq[j] = sq;
+          ak[j] = j < i ? Bt[i] * sk : T(0);
+        }
+        for (int64_t j = i + 1; j < Cp; ++j) ak[j] = aq[j] = 0;
+      }
+    } else {
+      if (s.online) gemm(c, Cp, K, Kn, Kp, KWT, Cp, P, Cp, false, Tri::c_lower);
+      gemm(c, Cp, K, Qr, Kp, KWT, Cp, P + c * Cp, Cp, false, Tri::c_lower);
+      for (int64_t i = 0; i < c; ++i) {
+        for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
+        exp_inplace(tmp, Cp);  // e^{gamma_i - gamma_j}, 0 above the diagonal
+        T* ak = Akk + i * Cp;
+        T* aq = Aqk + i * Cp;
+        const T* pk = P + i * Cp;
+        const T* pq = P + (c + i) * Cp;
+        for (int64_t j = 0; j < Cp; ++j) {
+          aq[j] = j <= i ? tmp[j] * pq[j] : T(0);
+          ak[j] = (s.online && j < i) ? Bt[i] * tmp[j] * pk[j] : T(0);
+        }
+      }
+    }
+    // 7. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
+    if (s.online) lower_solve(c, Vp, Akk, Cp, R, Vp);
+    // 8. O = Qd S_in + (Aqk ⊙ causal) R.
+    T* Og = G + c * Vp;
+    gemm(c, Vp, c, Aqk, Cp, R, Vp, Og, Vp, true, Tri::a_lower);
+    for (int64_t i = 0; i < c; ++i)
+      std::memcpy(s.orow(b, t0 + cs + i, hv) + v0, Og + i * Vp, size_t(Vd) * sizeof(T));
+    // 9. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
+    if (diag) {
+      for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gl[ch];
+      exp_inplace(tmp, Kp);
+      for (int64_t ch = 0; ch < K; ++ch)
+        for (int64_t e = 0; e < Vp; ++e) S[ch * Vp + e] *= tmp[ch];
+    } else if (s.decay == decay::Kind::scalar) {
+      const T f = std::exp(Gam[c - 1]);
+      for (int64_t i = 0; i < K * Vp; ++i) S[i] *= f;
+    }
+    gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true);
+  }
+
+  if (p.hT.data) {
+    T* hT = s.state(p.hT, si, hv) + v0;
+    for (int64_t c = 0; c < K; ++c) std::memcpy(hT + c * p.hT.stride[2], S + c * Vp, size_t(Vd) * sizeof(T));
+  }
+  if (s.diag_pre && p.aT.data && hv % s.r == 0 && vb == 0) {
+    T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
+    for (int64_t c = 0; c < K; ++c) aT[c] = A[c];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode sweeps over one K x V state (rows of stride ds), columns in register blocks of NB vectors.
+
+/// Columns [e0, e0 + NB*L) of: y1 = sum_c a1[c] S[c,:] and y2 = sum_c a2[c] S[c,:].
+template <class T, int NB>
+inline void read2_block(const T* S, int64_t ds, int64_t K, const T* a1, const T* a2, T* y1, T* y2) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  V r1[NB], r2[NB];
+  for (int v = 0; v < NB; ++v) r1[v] = r2[v] = V{};
+  for (int64_t c = 0; c < K; ++c) {
+    const T* row = S + c * ds;
+    const T x1 = a1[c], x2 = a2[c];
+    for (int v = 0; v < NB; ++v) {
+      const V s = vload(row + v * L);
+      r1[v] += x1 * s;
+      r2[v] += x2 * s;
+    }
+  }
+  for (int v = 0; v < NB; ++v) {
+    vstore(y1 + v * L, r1[v]);
+    vstore(y2 + v * L, r2[v]);
+  }
+}
+
+/// Columns [e0, e0 + NB*L) of the write S[c,:] = f[c] S[c,:] + w[c] u, and, when a1 is given, the
+/// next token's reads y1 = sum_c a1[c] S_new[c,:], y2 = sum_c a2[c] S_new[c,:] in the same sweep.
+template <class T, int NB>
+inline void write_block(T* S, int64_t ds, int64_t K, const T* f, const T* w, const T* u, const T* a1, const T* a2,
+                        T* y1, T* y2) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  V uu[NB], r1[NB], r2[NB];
+  for (int v = 0; v < NB; ++v) {
+    uu[v] = vload(u + v * L);
+    r1[v] = r2[v] = V{};
+  }
+  for (int64_t c = 0; c < K; ++c) {
+    T* row = S + c * ds;
+    const T fc = f[c], wc = w[c];
+    if (a1) {
+      const T x1 = a1[c], x2 = a2[c];
+      for (int v = 0; v < NB; ++v) {
+        const V x = fc * vload(row + v * L) + wc * uu[v];
+        vstore(row + v * L, x);
+        r1[v] += x1 * x;
+        r2[v] += x2 * x;
+      }
+    } else {
+      for (int v = 0; v < NB; ++v) vstore(row + v * L, fc * vload(row + v * L) + wc * uu[v]);
+    }
+  }
+  if (a1)
+    for (int v = 0; v < NB; ++v) {
+      vstore(y1 + v * L, r1[v]);
+      vstore(y2 + v * L, r2[v]);
+    }
+}
+
+constexpr int kDecodeNB = 4;
+/// Columns per decode block: kDecodeNB vectors.
+template <class T>
+constexpr int64_t kDecodeCols = kDecodeNB * Vec<T>::L;
+
+/// read2_block over columns [e0, e1): register blocks, then single vectors, then a scalar tail.
+template <class T>
+void read2(const T* S, int64_t ds, int64_t K, int64_t e0, int64_t e1, const T* a1, const T* a2, T* y1, T* y2) {
+  constexpr int L = Vec<T>::L;
+  int64_t e = e0;
+  for (; e + kDecodeNB * L <= e1; e += kDecodeNB * L) read2_block<T, kDecodeNB>(S + e, ds, K, a1, a2, y1 + e, y2 + e);
+  for (; e + L <= e1; e += L) read2_block<T, 1>(S + e, ds, K, a1, a2, y1 + e, y2 + e);
+  for (; e < e1; ++e) {
+    T s1 = 0, s2 = 0;
+    for (int64_t c = 0; c < K; ++c) {
+      s1 += a1[c] * S[c * ds + e];
+      s2 += a2[c] * S[c * ds + e];
+    }
+    y1[e] = s1;
+    y2[e] = s2;
+  }
+}
+
+/// write_block over columns [e0, e1) (see there); a1 == nullptr skips the fused reads.
+template <class T>
+void write2(T* S, int64_t ds, int64_t K, int64_t e0, int64_t e1, const T* f, const T* w, const T* u, const T* a1,
+            const T* a2, T* y1, T* y2) {
+  constexpr int L = Vec<T>::L;
+  int64_t e = e0;
+  for (; e + kDecodeNB * L <= e1; e += kDecodeNB * L)
+    write_block<T, kDecodeNB>(S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+  for (; e + L <= e1; e += L) write_block<T, 1>(S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+  for (; e < e1; ++e) {
+    T s1 = 0, s2 = 0;
+    for (int64_t c = 0; c < K; ++c) {
+      const T x = f[c] * S[c * ds + e] + w[c] * u[e];
+      S[c * ds + e] = x;
+      if (a1) {
+        s1 += a1[c] * x;
+        s2 += a2[c] * x;
+      }
+    }
+    if (a1) {
+      y1[e] = s1;
+      y2[e] = s2;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (SPEC §2 token by token), one task per (sequence n, key head h) with its HV/H value heads.
+// Per token and value head the state is read once (residual S̄^T k and readout S̄^T qr together) and
+// written once (decay and rank-1 write together); the read of token t+1 is fused into the write of
+// token t, so T tokens cost T + 1 sweeps over the state. o_t = S̄^T qr + b (kw . qr) u.
+
+template <class T>
+void decode_task_t(const KernelParams& p, int64_t task) {
+  const Setup<T> s(p);
+  const int64_t n = task / p.H, h = task % p.H;
+  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
+  const int64_t K = s.K, Vd = s.V, Kp = s.Kp, Vp = s.Vp, r = s.r;
+  const bool exact = p.spec.precond == precond::Kind::exact_atk || p.spec.precond == precond::Kind::exact_atq;
+  const bool key_target = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::exact_atk;
+  const bool query_target = p.spec.precond == precond::Kind::diagonal_atq || p.spec.precond == precond::Kind::exact_atq;
+  const int64_t Tn = len > 0 ? len : 0;
+  const int64_t PS = exact ? K * K : Kp;
+  // Per token: qn, kn, qr, kw (K each), then per value head: fac (K), the two read coefficients (K each).
+  const int64_t per_tok = 4 * Kp, per_head = 3 * Kp;
+  Scratch<T> mem(PS + 4 * Kp + Tn * per_tok + Tn * r * per_head + 3 * Vp + Tn * r + Tn);
+  T* Pst = mem.base;
+  T* work = Pst + PS;
+  T* tokv = work + 4 * Kp;
+  T* headv = tokv + Tn * per_tok;
+  T* y1 = headv + Tn * r * per_head;
+  T* y2 = y1 + Vp;
+  T* u = y2 + Vp;
+  T* bet = u + Vp;
+  T* kqv = bet + Tn * r;  // kw . qr of each token
+
+  // Preconditioner state (diagonal A or inverse Gram P), from a0 or the default (A = 0, P = I / lambda).
+  if (s.diag_pre) {
+    if (p.a0.data) {
+      const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+      for (int64_t c = 0; c < K; ++c) Pst[c] = a0[c];
+    }
+  } else if (exact) {
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < K; ++j)
+        Pst[i * K + j] = p.a0.data ? cptr<T>(p.a0)[si * p.a0.stride[0] + h * p.a0.stride[1] + i * p.a0.stride[2] + j]
+                                   : (i == j ? T(1) / T(p.lambda) : T(0));
+  }
+  const T ctr = s.diag_pre ? s.center(h) : T(0);
+
+  // Token vectors, shared by the group's value heads (SPEC §2 preconditioner axis).
+  for (int64_t t = 0; t < Tn; ++t) {
+    const int64_t ti = t0 + t;
+    T* qn = tokv + t * per_tok;
+    T* kn = qn + Kp;
+    T* qr = kn + Kp;
+    T* kw = qr + Kp;
+    load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, qn);
+    load_row(s.krow(b, ti, h), K, p.l2norm, T(1), kn);
+    std::memcpy(qr, qn, size_t(K) * sizeof(T));
+    std::memcpy(kw, kn, size_t(K) * sizeof(T));
+    if (s.diag_pre) {
+      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+      T* m = work;
+      for (int64_t c = 0; c < K; ++c) m[c] = Pst[c] = a * Pst[c] + bb * kn[c] * kn[c];
+      squash_inplace(m, Kp, ctr, s.log_x, s.eps);
+      for (int64_t c = 0; c < K; ++c) {
+        if (key_target) kw[c] = kn[c] * m[c];
+        if (query_target) qr[c] = qn[c] * m[c];
+      }
+    } else if (exact) {
+      // P_t = (P - f y z^T) / a, y = P k, z = P^T k, f = beta_p / (a + beta_p k^T y) (Sherman-Morrison).
+      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+      T* y = work;
+      T* z = work + Kp;
+      for (int64_t i = 0; i < K; ++i) y[i] = z[i] = 0;
+      for (int64_t i = 0; i < K; ++i) {
+        T sy = 0;
+        const T* pr = Pst + i * K;
+        for (int64_t j = 0; j < K; ++j) {
+          sy += pr[j] * kn[j];
+          z[j] += pr[j] * kn[i];
+        }
+        y[i] = sy;
+      }
+      T kty = 0;
+      for (int64_t i = 0; i < K; ++i) kty += kn[i] * y[i];
+      const T f = bb / (a + bb * kty), ia = T(1) / a;
+      for (int64_t i = 0; i < K; ++i) {
+        T* pr = Pst + i * K;
+        const T fy = f * y[i];
+        for (int64_t j = 0; j < K; ++j) pr[j] = (pr[j] - fy * z[j]) * ia;
+      }
+      const T* src = key_target ? kn : qn;
+      T* dst = key_target ? kw : qr;
+      for (int64_t i = 0; i < K; ++i) {
+        T acc = 0;
+        const T* pr = Pst + i * K;
+        for (int64_t j = 0; j < K; ++j) acc += pr[j] * src[j];
+        dst[i] = acc;
+      }
+    }
+    T kq = 0;
+    for (int64_t c = 0; c < K; ++c) kq += kw[c] * qr[c];
+    kqv[t] = kq;
+    for (int64_t j = 0; j < r; ++j) {
+      const int64_t hvj = h * r + j;
+      T* fac = headv + (t * r + j) * per_head;
+      T* ck = fac + Kp;  // fac ⊙ kn: residual read coefficients
+      T* cq = ck + Kp;   // fac ⊙ qr: readout coefficients
+      if (s.decay == decay::Kind::diagonal) {
+        const T* g = s.grow(b, ti, hvj);
+        for (int64_t c = 0; c < K; ++c) fac[c] = std::exp(g[c]);
+      } else {
+        const T f = s.decay == decay::Kind::scalar ? std::exp(s.grow(b, ti, hvj)[0]) : T(1);
+        for (int64_t c = 0; c < K; ++c) fac[c] = f;
+      }
+      for (int64_t c = 0; c < K; ++c) {
+        ck[c] = fac[c] * kn[c];
+        cq[c] = fac[c] * qr[c];
+      }
+      bet[t * r + j] = s.beta(b, ti, hvj);
+    }
+  }
+
+  for (int64_t j = 0; j < r; ++j) {
+    const int64_t hvj = h * r + j;
+    const T* src = s.state(p.h0, si, hvj);
+    T* S = s.state(p.hT, si, hvj);
+    const int64_t ss = p.h0.stride[2], ds = p.hT.stride[2];
+    if (src != S)
+      for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * ds, src + c * ss, size_t(Vd) * sizeof(T));
+    if (Tn == 0) continue;
+    // Value columns are independent (SPEC §2): run all tokens on one block of kDecodeCols columns
+    // (32 KB of a 128-row float state) at a time, so the write sweep finds the block in L1.
+    for (int64_t e0 = 0; e0 < Vd; e0 += kDecodeCols<T>) {
+      const int64_t e1 = imin(Vd, e0 + kDecodeCols<T>);
+      const T* f0 = headv + j * per_head;
+      read2(S, ds, K, e0, e1, f0 + Kp, f0 + 2 * Kp, y1, y2);
+      for (int64_t t = 0; t < Tn; ++t) {
+        const int64_t ti = t0 + t;
+        const T* qr = tokv + t * per_tok + 2 * Kp;
+        const T* kw = qr + Kp;
+        const T* fac = headv + (t * r + j) * per_head;
+        const T bt = bet[t * r + j];
+        const T* v = s.vrow(b, ti, hvj);
+        for (int64_t e = e0; e < e1; ++e) u[e] = bt * (v[e] - (s.online ? y1[e] : T(0)));
+        const T kq = kqv[t];
+        T* o = s.orow(b, ti, hvj);
+        for (int64_t e = e0; e < e1; ++e) o[e] = y2[e] + kq * u[e];
+        // Write sweep S_t = Diag(fac) S + kw u^T, fused with the read sweep of token t + 1.
+        const T* nf = t + 1 < Tn ? headv + ((t + 1) * r + j) * per_head : nullptr;
+        write2(S, ds, K, e0, e1, fac, kw, u, nf ? nf + Kp : nullptr, nf ? nf + 2 * Kp : nullptr, y1, y2);
+      }
+    }
+  }
+  if ((s.diag_pre || exact) && p.aT.data) {
+    if (s.diag_pre) {
+      T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
+      for (int64_t c = 0; c < K; ++c) aT[c] = Pst[c];
+    } else {
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t jj = 0; jj < K; ++jj)
+          mptr<T>(p.aT)[si * p.aT.stride[0] + h * p.aT.stride[1] + i * p.aT.stride[2] + jj] = Pst[i * K + jj];
+    }
+  }
+}
+
+void chunk_task(const KernelParams& p, int64_t task, int64_t vsplit) {
+  if (p.dtype == DType::f64)
+    chunk_task_t<double>(p, task, vsplit);
+  else
+    chunk_task_t<float>(p, task, vsplit);
+}
+
+void decode_task(const KernelParams& p, int64_t task) {
+  if (p.dtype == DType::f64)
+    decode_task_t<double>(p, task);
+  else
+    decode_task_t<float>(p, task);
+}
+
+#define DGPS_STR2(x) #x
+#define DGPS_STR(x) DGPS_STR2(x)
+
+}  // namespace
+
+IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task}; }
+
+}  // namespace dgps::cpu::kernels::DGPS_ISA_NS

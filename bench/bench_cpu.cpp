@@ -1,0 +1,413 @@
+/// @brief dgps_bench_cpu: CPU throughput (tokens/s, GFLOP/s, % of the measured FP32 FMA peak), chunkwise vs recurrent.
+///
+/// First measures the machine's FP32 FMA peak with a register-resident FMA loop for each ISA (1 and
+/// N threads), then times the shapes of issue 3. FLOP counts per token and value head (K = key dim,
+/// V = value dim, C = chunk): Online solve 6KV + 2CK + 2CV (the chunk products [K;Q]S, the state
+/// update, the causal halves of Akk and Aqk, the triangular solve and Aqk R); Offline 4KV + CK + CV;
+/// decode 6KV (two reads and one write of the K x V state per token). The same count is used for the
+/// recurrent runs, so GFLOP/s ratios equal time ratios. Forward+backward reports the time ratio to the
+/// forward. Usage: dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]
+/// where LIST has prefill,batch,fwdbwd,decode,sweep.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <dgps/dgps.hpp>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// ---------------------------------------------------------------------------------------------
+// FMA peak: 16 independent accumulator chains (enough to cover latency x throughput on current cores).
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) double fma_loop_avx512(int64_t iters) {
+  __m512 acc[16];
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (auto& x : acc) x = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
+  }
+  alignas(64) float t[16];
+  float s = 0;
+  for (auto& x : acc) {
+    _mm512_store_ps(t, x);
+    for (float v : t) s += v;
+  }
+  return s;
+}
+__attribute__((target("avx2,fma"))) double fma_loop_avx2(int64_t iters) {
+  __m256 acc[12];
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (auto& x : acc) x = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+  }
+  alignas(32) float t[8];
+  float s = 0;
+  for (auto& x : acc) {
+    _mm256_store_ps(t, x);
+    for (float v : t) s += v;
+  }
+  return s;
+}
+#endif
+
+/// GFLOP/s of `threads` threads each running the FMA loop of `isa` ("avx512" or "avx2"); 0 if absent.
+double fma_peak(const std::string& isa, int threads) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool ok = isa == "avx512" ? __builtin_cpu_supports("avx512f") : __builtin_cpu_supports("avx2") &&
+                                                                          __builtin_cpu_supports("fma");
+  if (!ok) return 0;
+  const int64_t iters = 20'000'000;
+  const double flops_per_iter = isa == "avx512" ? 16.0 * 16 * 2 : 12.0 * 8 * 2;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<std::thread> pool;
+    std::vector<double> sink(threads);
+    const auto t0 = Clock::now();
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] { sink[t] = isa == "avx512" ? fma_loop_avx512(iters) : fma_loop_avx2(iters); });
+    for (auto& th : pool) th.join();
+    const double s = seconds_since(t0);
+    best = std::max(best, flops_per_iter * double(iters) * threads / s * 1e-9);
+  }
+  return best;
+#else
+  (void)isa, (void)threads;
+  return 0;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct Args {
+  bool quick = false;
+  std::string json;
+  std::vector<int> threads{1, 2};
+  int reps = 3;
+  std::string only = "prefill,batch,fwdbwd,decode,sweep";
+};
+
+struct Record {
+  std::string group, model, algorithm, impl;
+  int64_t B = 0, T = 0, H = 0, K = 0, V = 0;
+  int threads = 0;
+  double seconds = 0, tokens_per_s = 0, gflops = 0, pct_peak = 0, us_per_token = 0, ratio = 0;
+};
+
+/// Random inputs of one shape, float32, FLA-like ranges (unit-normal q, k, v; g in [-0.1, 0); beta,
+/// beta_p in [0, 1); g_p in [-0.1, 0); center -0.2).
+struct Problem {
+  int64_t B, T, H, K, V;
+  std::vector<float> q, k, v, g, gd, beta, gp, bp, center, o, d_o;
+  Problem(int64_t B_, int64_t T_, int64_t H_, int64_t K_, int64_t V_) : B(B_), T(T_), H(H_), K(K_), V(V_) {
+    std::mt19937 rng(42);
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    // Sum of uniforms: cheap, roughly normal (the generator must not dominate a 64k-token run).
+    auto nrm = [&] { return (u(rng) + u(rng) + u(rng) - 1.5f) * 2.0f; };
+    const size_t nq = size_t(B * T * H * K), nv = size_t(B * T * H * V), nh = size_t(B * T * H);
+    q.resize(nq), k.resize(nq), v.resize(nv), g.resize(nh), gd.resize(nq), beta.resize(nh), gp.resize(nh),
+        bp.resize(nh), center.assign(size_t(H), -0.2f), o.resize(nv), d_o.resize(nv);
+    for (auto& x : q) x = nrm();
+    for (auto& x : k) x = nrm();
+    for (auto& x : v) x = nrm();
+    for (auto& x : d_o) x = nrm();
+    for (auto& x : g) x = -0.1f * u(rng);
+    for (auto& x : gd) x = -0.1f * u(rng);
+    for (auto& x : beta) x = u(rng);
+    for (auto& x : gp) x = -0.1f * u(rng);
+    for (auto& x : bp) x = u(rng);
+  }
+  dgps::Shape shape() const { return {.batch = B, .time = T, .heads = H, .v_heads = H, .key_dim = K, .value_dim = V}; }
+  template <class R>
+  dgps::Inputs<float> inputs() const {
+    auto in = dgps::inputs<float>(shape(), q.data(), k.data(), v.data());
+    if constexpr (R::decay_type::needs_g) in.decay(R::decay_type::per_channel ? gd.data() : g.data());
+    if constexpr (R::gain_type::needs_beta) in.gain(beta.data());
+    if constexpr (dgps::precond::needs_gates<typename R::precond_type>)
+      in.precond(gp.data(), bp.data(), center.data());
+    return in;
+  }
+};
+
+template <class R>
+double flops_per_token_head(int64_t K, int64_t V, int64_t C) {
+  if constexpr (R::solve_type::kind == dgps::solve::Kind::online)
+    return 6.0 * K * V + 2.0 * C * K + 2.0 * C * V;
+  else
+    return 4.0 * K * V + 1.0 * C * K + 1.0 * C * V;
+}
+
+/// Median of `reps` timings of fn (after one warm-up call).
+double time_median(int reps, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Bench {
+  Args args;
+  double peak1 = 0, peak_n = 0;  // GFLOP/s of the kernels' ISA, 1 thread and max(threads)
+  std::vector<Record> records;
+
+  double peak_for(int threads) const { return threads == 1 ? peak1 : peak_n * threads / std::max(1, max_threads()); }
+  int max_threads() const { return *std::max_element(args.threads.begin(), args.threads.end()); }
+
+  void print(const Record& r) {
+    std::printf("%-8s %-8s %-10s B=%-2ld T=%-6ld H=%-2ld thr=%d  %9.2f ms  %10.0f tok/s  %7.1f GFLOP/s  %5.1f%% peak",
+                r.group.c_str(), r.model.c_str(), r.algorithm.c_str(), long(r.B), long(r.T), long(r.H), r.threads,
+                r.seconds * 1e3, r.tokens_per_s, r.gflops, r.pct_peak);
+    if (r.us_per_token > 0) std::printf("  %7.2f us/token", r.us_per_token);
+    if (r.ratio > 0) std::printf("  ratio %.2f", r.ratio);
+    std::printf("  [%s]\n", r.impl.c_str());
+    std::fflush(stdout);
+    records.push_back(r);
+  }
+
+  template <class R>
+  Record forward(const char* group, const char* model, const Problem& p, int threads, dgps::Algorithm alg,
+                 int reps) {
+    auto in = p.inputs<R>();
+    auto out = dgps::outputs<float>(const_cast<float*>(p.o.data()));
+    dgps::Options opt;
+    opt.backend = dgps::Backend::cpu;
+    opt.algorithm = alg;
+    opt.threads = threads;
+    dgps::RunInfo info;
+    const double s = time_median(reps, [&] { info = dgps::forward<R>(in, out, opt); });
+    Record r{group, model, dgps::to_string(info.algorithm), info.impl, p.B, p.T, p.H, p.K, p.V, threads};
+    r.seconds = s;
+    r.tokens_per_s = double(p.B * p.T) / s;
+    r.gflops = flops_per_token_head<R>(p.K, p.V, opt.chunk_size) * double(p.B * p.T * p.H) / s * 1e-9;
+    r.pct_peak = 100.0 * r.gflops / peak_for(threads);
+    return r;
+  }
+
+  template <class R>
+  void prefill(const char* group, const char* model, const Problem& p, bool with_recurrent) {
+    for (int th : args.threads) {
+      const Record c = forward<R>(group, model, p, th, dgps::Algorithm::chunkwise, args.reps);
+      print(c);
+      if (with_recurrent) {
+        Record r = forward<R>(group, model, p, th, dgps::Algorithm::recurrent, 1);
+        r.ratio = r.seconds / c.seconds;  // chunkwise speed-up over recurrent
+        print(r);
+      }
+    }
+  }
+
+  template <class R>
+  void fwdbwd(const char* model, const Problem& p) {
+    auto in = p.inputs<R>();
+    auto out = dgps::outputs<float>(const_cast<float*>(p.o.data()));
+    std::vector<float> dq(p.q.size()), dk(p.k.size()), dv(p.v.size()), dg(p.g.size()), db(p.beta.size()),
+        dgp(p.gp.size()), dbp(p.bp.size()), dc(p.center.size());
+    dgps::Grads<float> gr;
+    gr.dq = dgps::Out<float>(dq.data()).view;
+    gr.dk = dgps::Out<float>(dk.data()).view;
+    gr.dv = dgps::Out<float>(dv.data()).view;
+    if constexpr (R::decay_type::needs_g) gr.dg = dgps::Out<float>(dg.data()).view;
+    if constexpr (R::gain_type::needs_beta) gr.dbeta = dgps::Out<float>(db.data()).view;
+    if constexpr (dgps::precond::needs_gates<typename R::precond_type>) {
+      gr.dg_p = dgps::Out<float>(dgp.data()).view;
+      gr.dbeta_p = dgps::Out<float>(dbp.data()).view;
+      gr.dcenter = dgps::Out<float>(dc.data()).view;
+    }
+    for (int th : args.threads) {
+      dgps::Options opt;
+      opt.backend = dgps::Backend::cpu;
+      opt.threads = th;
+      const double f = time_median(1, [&] { dgps::forward<R>(in, out, opt); });
+      dgps::RunInfo info;
+      const double b = time_median(1, [&] { info = dgps::backward<R>(in, dgps::grads_in<float>(p.d_o.data()), gr, opt); });
+      Record r{"fwdbwd", model, "automatic", "forward + " + info.impl, p.B, p.T, p.H, p.K, p.V, th};
+      r.seconds = f + b;
+      r.tokens_per_s = double(p.B * p.T) / r.seconds;
+      r.gflops = 3.0 * flops_per_token_head<R>(p.K, p.V, opt.chunk_size) * double(p.B * p.T * p.H) / r.seconds * 1e-9;
+      r.pct_peak = 100.0 * r.gflops / peak_for(th);
+      r.ratio = r.seconds / f;  // (forward + backward) / forward
+      print(r);
+    }
+  }
+
+  template <class R>
+  void decode(const char* model, int64_t B, int64_t H, int64_t K, int64_t V) {
+    const Problem p(B, 1, H, K, V);
+    std::vector<float> h(size_t(B * H * K * V), 0.0f), a(size_t(B * H * K), 0.0f);
+    dgps::DecodeState<float> st;
+    st.h = dgps::TensorView<float>(h.data(), {B, H, K, V});
+    if constexpr (dgps::precond::needs_gates<typename R::precond_type>) st.a = dgps::TensorView<float>(a.data(), {B, H, K});
+    auto in = p.inputs<R>();
+    for (int th : args.threads) {
+      dgps::Options opt;
+      opt.backend = dgps::Backend::cpu;
+      opt.threads = th;
+      dgps::RunInfo info;
+      const int inner = 200;
+      const double s = time_median(args.reps, [&] {
+        for (int i = 0; i < inner; ++i) info = dgps::decode<R>(st, in, const_cast<float*>(p.o.data()), opt);
+      }) / inner;
+      Record r{"decode", model, "decode", info.impl, B, 1, H, K, V, th};
+      r.seconds = s;
+      r.tokens_per_s = double(B) / s;
+      r.us_per_token = s * 1e6;  // one decode step of the whole batch
+      r.gflops = 6.0 * K * V * double(B * H) / s * 1e-9;
+      r.pct_peak = 100.0 * r.gflops / peak_for(th);
+      print(r);
+    }
+  }
+
+  void write_json() const {
+    if (args.json.empty()) return;
+    FILE* f = std::fopen(args.json.c_str(), "w");
+    if (!f) {
+      std::fprintf(stderr, "cannot write %s\n", args.json.c_str());
+      return;
+    }
+    std::fprintf(f, "{\n  \"isa\": \"%s\",\n  \"fma_peak_gflops\": {\"1\": %.1f, \"%d\": %.1f},\n  \"records\": [\n",
+                 dgps::cpu::kernels::isa_name(), peak1, max_threads(), peak_n);
+    for (size_t i = 0; i < records.size(); ++i) {
+      const Record& r = records[i];
+      std::fprintf(f,
+                   "    {\"group\": \"%s\", \"model\": \"%s\", \"algorithm\": \"%s\", \"impl\": \"%s\", \"B\": %ld, "
+                   "\"T\": %ld, \"H\": %ld, \"K\": %ld, \"V\": %ld, \"threads\": %d, \"seconds\": %.6g, "
+                   "\"tokens_per_s\": %.6g, \"gflops\": %.4g, \"pct_peak\": %.3g, \"us_per_token\": %.4g, "
+                   "\"ratio\": %.4g}%s\n",
+                   r.group.c_str(), r.model.c_str(), r.algorithm.c_str(), r.impl.c_str(), long(r.B), long(r.T),
+                   long(r.H), long(r.K), long(r.V), r.threads, r.seconds, r.tokens_per_s, r.gflops, r.pct_peak,
+                   r.us_per_token, r.ratio, i + 1 < records.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+
+  bool want(const char* group) const { return ("," + args.only + ",").find(std::string(",") + group + ",") != std::string::npos; }
+
+  void run() {
+    const std::string isa = dgps::cpu::kernels::isa_name();
+    const std::string peak_isa = isa == "generic" ? "avx2" : isa;
+    peak1 = fma_peak(peak_isa, 1);
+    peak_n = fma_peak(peak_isa, max_threads());
+    std::printf("kernels ISA %s; measured FP32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d\n", isa.c_str(),
+                peak_isa.c_str(), peak1, peak_n, max_threads());
+    if (peak1 <= 0) peak1 = peak_n = 1;
+    const int64_t T = args.quick ? 1024 : 4096, H = 16, K = 128;
+    if (want("prefill")) {
+      const Problem p(1, T, H, K, K);
+      const Problem pr(1, args.quick ? 256 : 1024, H, K, K);  // recurrent baseline on a shorter prefix
+      auto both = [&]<class R>(const char* name) {
+        prefill<R>("prefill", name, p, false);
+        if (!args.quick) {
+          for (int th : args.threads) {
+            const Record c = forward<R>("prefill", name, pr, th, dgps::Algorithm::chunkwise, args.reps);
+            Record r = forward<R>("prefill", name, pr, th, dgps::Algorithm::recurrent, 1);
+            r.ratio = r.seconds / c.seconds;
+            print(r);
+          }
+        }
+      };
+      both.template operator()<dgps::GDN>("gdn");
+      both.template operator()<dgps::PGDN>("pgdn");
+      both.template operator()<dgps::KDA>("kda");
+      both.template operator()<dgps::PKDA>("pkda");
+      both.template operator()<dgps::DeltaNet>("deltanet");
+      both.template operator()<dgps::Mamba2>("mamba2");
+    }
+    if (want("batch")) {
+      const Problem p(args.quick ? 2 : 8, args.quick ? 1024 : 2048, H, K, K);
+      prefill<dgps::GDN>("batch", "gdn", p, false);
+      prefill<dgps::PGDN>("batch", "pgdn", p, false);
+    }
+    if (want("fwdbwd")) {
+      const Problem p(1, args.quick ? 512 : T, H, K, K);
+      fwdbwd<dgps::GDN>("gdn", p);
+      fwdbwd<dgps::PGDN>("pgdn", p);
+    }
+    if (want("decode")) {
+      for (int64_t B : {int64_t(1), int64_t(16)}) {
+        decode<dgps::GDN>("gdn", B, H, K, K);
+        decode<dgps::PGDN>("pgdn", B, H, K, K);
+        decode<dgps::KDA>("kda", B, H, K, K);
+      }
+    }
+    if (want("sweep")) {
+      const std::vector<int64_t> Ts = args.quick ? std::vector<int64_t>{1024, 4096}
+                                                 : std::vector<int64_t>{1024, 2048, 4096, 8192, 16384, 32768, 65536};
+      for (int64_t t : Ts) {
+        const Problem p(1, t, H, K, K);
+        for (int th : args.threads) print(forward<dgps::GDN>("sweep", "gdn", p, th, dgps::Algorithm::chunkwise, args.reps));
+      }
+    }
+    write_json();
+  }
+};
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::atoi(item.c_str()));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Bench b;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--quick") {
+      b.args.quick = true;
+      b.args.reps = 1;
+    } else if (a == "--json") {
+      b.args.json = next();
+    } else if (a == "--threads") {
+      b.args.threads = parse_list(next());
+    } else if (a == "--reps") {
+      b.args.reps = std::max(1, std::atoi(next()));
+    } else if (a == "--only") {
+      b.args.only = next();
+    } else {
+      std::printf(
+          "usage: dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]\n"
+          "  LIST: comma-separated of prefill,batch,fwdbwd,decode,sweep (default all)\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  if (b.args.threads.empty()) b.args.threads = {1};
+  b.run();
+  return 0;
+}

@@ -1,0 +1,277 @@
+/// @brief dgps::cuda benchmark: forward and decode of the issue's shapes, CUDA events, median of 30 runs.
+///
+/// Prints one CSV row per case (`impl,model,case,B,T,H,HV,K,V,ms,tokens_per_s,tflops,gbps,copy_frac`)
+/// and writes the same rows to argv[1] when given. FLOPs count the recurrent form, 6*K*V per token
+/// and value head (S^T k, the rank-1 write, S^T q); bytes count the unavoidable traffic: every input
+/// read once, o and the final states written once (decode: the state read and written).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <dgps/cuda.hpp>
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+__device__ float hash_uniform(uint64_t i, uint64_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return float(x >> 40) * (1.0f / 16777216.0f);
+}
+
+/// kind 0: approximately normal; 1: logsigmoid(normal) (a log-decay); 2: sigmoid(normal) (a gain).
+template <class T>
+__global__ void fill(T* p, int64_t n, uint64_t seed, int kind) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float z = (hash_uniform(i, seed) + hash_uniform(i, seed + 1) + hash_uniform(i, seed + 2) - 1.5f) * 2.0f;
+    float x = z;
+    if (kind == 1) x = -log1pf(expf(-z));
+    if (kind == 2) x = 1.f / (1.f + expf(-z));
+    p[i] = T(x);
+  }
+}
+
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) { ck(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc"); }
+  ~Buf() { cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+};
+
+template <class T>
+void fill_buf(Buf& b, int64_t n, uint64_t seed, int kind) {
+  fill<T><<<1024, 256>>>(static_cast<T*>(b.p), n, seed, kind);
+  ck(cudaGetLastError(), "fill");
+}
+
+double g_copy_gbps = 0;
+
+/// Device-to-device copy bandwidth (read + write bytes per second) over 2 GiB, median of 20.
+double copy_bandwidth() {
+  const size_t bytes = size_t(1) << 31;
+  Buf a(bytes), b(bytes);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<float> t;
+  for (int i = 0; i < 25; ++i) {
+    cudaEventRecord(e0);
+    ck(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice), "copy");
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= 5) t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return 2.0 * bytes / (t[t.size() / 2] * 1e-3) / 1e9;
+}
+
+struct Row {
+  std::string model, name;
+  int64_t B, T, H, HV, K, V;
+  double ms, bytes, flops;
+  std::string impl;
+};
+std::vector<Row> g_rows;
+
+void emit(const Row& r) {
+  g_rows.push_back(r);
+  const double s = r.ms * 1e-3;
+  std::printf("dgps,%s,%s,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4g,%.2f,%.1f,%.3f,%s\n", r.model.c_str(), r.name.c_str(),
+              (long long)r.B, (long long)r.T, (long long)r.H, (long long)r.HV, (long long)r.K, (long long)r.V, r.ms,
+              r.B * r.T / s, r.flops / s / 1e12, r.bytes / s / 1e9, r.bytes / s / 1e9 / g_copy_gbps, r.impl.c_str());
+  std::fflush(stdout);
+}
+
+/// Median time in ms of `f` over `reps` runs after `warm` warm-up runs, each timed with events.
+template <class F>
+double median_ms(F&& f, int warm = 5, int reps = 30) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<float> t;
+  for (int i = 0; i < warm + reps; ++i) {
+    cudaEventRecord(e0);
+    f();
+    cudaEventRecord(e1);
+    ck(cudaEventSynchronize(e1), "timed run");
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= warm) t.push_back(ms);
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// All inputs of a model for [B, T] tokens, bf16 q/k/v/o, float32 gates and states.
+struct Problem {
+  dgps::cuda::Params p;
+  std::vector<Buf*> owned;
+  double in_bytes = 0;
+  ~Problem() {
+    for (Buf* b : owned) delete b;
+  }
+  Buf& make(size_t bytes) {
+    owned.push_back(new Buf(bytes));
+    return *owned.back();
+  }
+};
+
+void setup(Problem& pr, const char* model, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
+           uint64_t seed) {
+  using dgps::cuda::Tensor;
+  auto& p = pr.p;
+  p.spec = dgps::model_by_name(model);
+  p.dtype = dgps::cuda::DType::bf16;
+  p.gate_dtype = dgps::cuda::DType::f32;
+  p.B = B, p.T = T, p.H = H, p.HV = HV, p.K = K, p.V = V, p.N = B;
+  auto bf = [&](int64_t n, int kind) {
+    Buf& b = pr.make(size_t(n) * 2);
+    fill_buf<__nv_bfloat16>(b, n, seed++, kind);
+    pr.in_bytes += 2.0 * n;
+    return b.p;
+  };
+  auto f32 = [&](int64_t n, int kind) {
+    Buf& b = pr.make(size_t(n) * 4);
+    fill_buf<float>(b, n, seed++, kind);
+    pr.in_bytes += 4.0 * n;
+    return b.p;
+  };
+  p.q = Tensor::contiguous(bf(B * T * H * K, 0), T, H, K);
+  p.k = Tensor::contiguous(bf(B * T * H * K, 0), T, H, K);
+  p.v = Tensor::contiguous(bf(B * T * HV * V, 0), T, HV, V);
+  if (p.spec.decay == dgps::decay::Kind::scalar) p.g = Tensor::contiguous(f32(B * T * HV, 1), T, HV, 1);
+  if (p.spec.decay == dgps::decay::Kind::diagonal) p.g = Tensor::contiguous(f32(B * T * HV * K, 1), T, HV, K);
+  if (p.spec.gain == dgps::gain::Kind::scalar) p.beta = Tensor::contiguous(f32(B * T * HV, 2), T, HV, 1);
+  if (p.spec.precond != dgps::precond::Kind::identity) {
+    p.g_p = Tensor::contiguous(f32(B * T * H, 1), T, H, 1);
+    p.beta_p = Tensor::contiguous(f32(B * T * H, 2), T, H, 1);
+    p.center = Tensor::contiguous(f32(H, 0), 1, 1, 1);
+  }
+  p.o = Tensor::contiguous(pr.make(size_t(B * T * HV * V) * 2).p, T, HV, V);
+}
+
+void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V) {
+  Problem pr;
+  setup(pr, model, B, T, H, H, K, V, 1);
+  auto& p = pr.p;
+  p.hT = dgps::cuda::Tensor::contiguous(pr.make(size_t(B * H * K * V) * 4).p, H, K, V);
+  const bool prec = p.spec.precond != dgps::precond::Kind::identity;
+  if (prec) p.aT = dgps::cuda::Tensor::contiguous(pr.make(size_t(B * H * K) * 4).p, H, K, 1);
+  dgps::cuda::Workspace ws;
+  const char* impl = "";
+  const double ms = median_ms([&] { impl = dgps::cuda::forward(p, ws, nullptr); });
+  const double bytes = pr.in_bytes + 2.0 * B * T * H * V + 4.0 * B * H * K * V + (prec ? 4.0 * B * H * K : 0);
+  emit({model, "fwd_B" + std::to_string(B) + "_T" + std::to_string(T) + "_H" + std::to_string(H), B, T, H, H, K, V, ms,
+        bytes, 6.0 * K * V * H * B * T, impl});
+}
+
+void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, bool graph) {
+  Problem pr;
+  setup(pr, model, B, 1, H, HV, K, V, 7);
+  auto& p = pr.p;
+  Buf& h = pr.make(size_t(B * HV * K * V) * 4);
+  fill_buf<float>(h, B * HV * K * V, 99, 0);
+  p.h0 = dgps::cuda::Tensor::contiguous(h.p, HV, K, V);
+  const bool prec = p.spec.precond != dgps::precond::Kind::identity;
+  if (prec) {
+    Buf& a = pr.make(size_t(B * H * K) * 4);
+    fill_buf<float>(a, B * H * K, 98, 2);
+    p.a0 = dgps::cuda::Tensor::contiguous(a.p, H, K, 1);
+  }
+  dgps::cuda::Workspace ws;
+  const char* impl = dgps::cuda::decode(p, ws, nullptr);  // sizes the workspace before any capture
+  ck(cudaDeviceSynchronize(), "decode");
+  double ms;
+  std::string name = "decode_B" + std::to_string(B) + "_HV" + std::to_string(HV);
+  if (graph) {
+    constexpr int kCalls = 100;
+    cudaStream_t s;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+    for (int i = 0; i < kCalls; ++i) dgps::cuda::decode(p, ws, s);
+    ck(cudaStreamEndCapture(s, &g), "end capture");
+    ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    std::vector<float> t;
+    for (int i = 0; i < 25; ++i) {
+      cudaEventRecord(e0, s);
+      cudaGraphLaunch(ge, s);
+      cudaEventRecord(e1, s);
+      ck(cudaEventSynchronize(e1), "graph replay");
+      float m;
+      cudaEventElapsedTime(&m, e0, e1);
+      if (i >= 5) t.push_back(m / kCalls);
+    }
+    std::sort(t.begin(), t.end());
+    ms = t[t.size() / 2];
+    name += "_graph";
+    cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+  } else {
+    ms = median_ms([&] { dgps::cuda::decode(p, ws, nullptr); });
+  }
+  const double bytes = pr.in_bytes + 2.0 * B * HV * V + 8.0 * B * HV * K * V + (prec ? 8.0 * B * H * K : 0);
+  emit({model, name, B, 1, H, HV, K, V, ms, bytes, 6.0 * K * V * HV * B, impl});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!dgps::cuda::available()) {
+    std::printf("SKIP: no CUDA GPU available\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  ck(cudaGetDeviceProperties(&prop, 0), "properties");
+  if (argc > 1 && std::string(argv[1]) == "--profile") {  // one run of each kernel, for ncu
+    g_copy_gbps = 1;
+    bench_decode("gdn", 256, 16, 32, 128, 128, false);
+    bench_forward("gdn", 8, 2048, 16, 128, 128);
+    return 0;
+  }
+  g_copy_gbps = copy_bandwidth();
+  std::printf("# device %s, %d SMs, measured copy bandwidth %.0f GB/s\n", prop.name, prop.multiProcessorCount,
+              g_copy_gbps);
+  std::printf("impl,model,case,B,T,H,HV,K,V,ms,tokens_per_s,tflops,gbps,copy_frac,variant\n");
+  const std::string only = argc > 2 ? argv[2] : "";
+  for (const char* m : {"gdn", "pgdn", "pkda", "kda"}) {
+    if (!only.empty() && only.find(m) == std::string::npos) continue;
+    bench_forward(m, 8, 2048, 16, 128, 128);
+    bench_forward(m, 1, 32768, 16, 128, 128);
+    bench_forward(m, 4, 8192, 32, 128, 128);
+  }
+  for (const char* m : {"gdn", "pgdn"}) {
+    bench_decode(m, 1, 16, 32, 128, 128, true);
+    bench_decode(m, 64, 16, 32, 128, 128, false);
+    bench_decode(m, 256, 16, 32, 128, 128, false);
+  }
+  if (argc > 1) {
+    FILE* f = std::fopen(argv[1], "w");
+    if (f) {
+      std::fprintf(f, "impl,model,case,B,T,HV,ms,bytes,flops,copy_gbps,variant\n");
+      for (const Row& r : g_rows)
+        std::fprintf(f, "dgps,%s,%s,%lld,%lld,%lld,%.5f,%.6g,%.6g,%.1f,%s\n", r.model.c_str(), r.name.c_str(),
+                     (long long)r.B, (long long)r.T, (long long)r.HV, r.ms, r.bytes, r.flops, g_copy_gbps,
+                     r.impl.c_str());
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

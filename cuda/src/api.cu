@@ -1,0 +1,189 @@
+/// @brief dgps::cuda public entry points: availability, workspace, validation and kernel dispatch.
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "dgps/cuda.hpp"
+#include "recurrent.cuh"
+
+namespace dgps::cuda {
+
+namespace {
+
+void throw_on(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear a sticky launch error so later calls report their own
+    throw Error(std::string("cuda: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
+
+void require(bool ok, const char* msg) {
+  if (!ok) throw Error(std::string("cuda: ") + msg);
+}
+
+void copy_strides(int64_t* dst, const Tensor& t) {
+  for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
+}
+
+/// Host-side checks of a call (shapes, pointers, options); device tensor values are not read.
+void check(const Params& p, bool decode) {
+  if (!supports(p.spec, p.algorithm))
+    throw Error("cuda: no " + std::string(dgps::to_string(p.algorithm)) + " algorithm for " + dgps::to_string(p.spec) +
+                " (the CUDA backend runs the Identity and diagonal preconditioners, recurrent algorithm)");
+  require(p.B >= 1 && p.H >= 1 && p.HV >= 1 && p.T >= 0 && p.N >= 1, "sizes B, H, HV, N must be >= 1 and T >= 0");
+  if (p.HV % p.H != 0)
+    throw Error("cuda: v_heads (" + std::to_string(p.HV) + ") must be a multiple of heads (" + std::to_string(p.H) +
+                ")");
+  if (p.K < 1 || p.K > 128) throw Error("cuda: key_dim must be in [1, 128], got " + std::to_string(p.K));
+  require(p.V >= 1 && p.V <= (int64_t(1) << 30), "value_dim must be in [1, 2^30]");
+  require(p.N <= 65535 && p.HV <= 65535, "at most 65535 sequences and 65535 value heads per call");
+  require(p.q.data && p.k.data && p.v.data && p.o.data, "q, k, v and o are required");
+  require(p.spec.decay == decay::Kind::none || p.g.data, "tensor 'g' is required by the decay");
+  require(p.spec.decay != decay::Kind::none || !p.g.data, "tensor 'g' was given but decay=none uses no g");
+  require(p.spec.gain == gain::Kind::unit || p.beta.data, "tensor 'beta' is required by gain=scalar");
+  require(p.spec.gain != gain::Kind::unit || !p.beta.data, "tensor 'beta' was given but gain=unit uses no beta");
+  const bool diag = p.spec.precond != precond::Kind::identity;
+  require(!diag || (p.g_p.data && p.beta_p.data && p.center.data),
+          "tensors 'g_p', 'beta_p' and 'center' are required by the diagonal preconditioner");
+  require(diag || (!p.g_p.data && !p.beta_p.data && !p.center.data && !p.a0.data && !p.aT.data),
+          "precond=identity uses no g_p, beta_p, center, a0 or aT");
+  require(std::isfinite(p.scale) && std::isfinite(p.x) && p.x > 0 && std::isfinite(p.eps) && p.eps >= 0,
+          "options scale, x, eps must be finite, x > 0, eps >= 0");
+  if (p.cu_seqlens) require(p.B == 1, "cu_seqlens requires batch == 1");
+  if (!p.cu_seqlens) require(p.N == p.B, "without cu_seqlens N must equal B");
+  if (decode) {
+    require(!p.cu_seqlens, "decode takes one row per sequence; cu_seqlens is not supported there");
+    require(p.h0.data, "decode needs the state 'h' (as h0)");
+    require(!p.hT.data || p.hT.data == p.h0.data, "decode updates h in place: hT must be null or equal h0");
+    require(!diag || p.a0.data, "decode needs the preconditioner state 'a' (as a0)");
+    require(!p.aT.data || p.aT.data == p.a0.data, "decode updates a in place: aT must be null or equal a0");
+  } else {
+    require(!p.slots, "slots are for decode only");
+  }
+}
+
+kernels::RecArgs make_args(const Params& p) {
+  kernels::RecArgs a;
+  a.q = p.q.data, a.k = p.k.data, a.v = p.v.data, a.g = p.g.data, a.beta = p.beta.data;
+  a.g_p = p.g_p.data, a.beta_p = p.beta_p.data, a.center = p.center.data;
+  a.h0 = static_cast<const float*>(p.h0.data);
+  a.a0 = static_cast<const float*>(p.a0.data);
+  a.o = const_cast<void*>(p.o.data);
+  a.hT = static_cast<float*>(const_cast<void*>(p.hT.data));
+  a.aT = static_cast<float*>(const_cast<void*>(p.aT.data));
+  copy_strides(a.sq, p.q), copy_strides(a.sk, p.k), copy_strides(a.sv, p.v), copy_strides(a.sg, p.g);
+  copy_strides(a.sbeta, p.beta), copy_strides(a.sgp, p.g_p), copy_strides(a.sbp, p.beta_p), copy_strides(a.so, p.o);
+  copy_strides(a.sh0, p.h0), copy_strides(a.sa0, p.a0), copy_strides(a.shT, p.hT), copy_strides(a.saT, p.aT);
+  a.cu_seqlens = p.cu_seqlens;
+  a.slots = p.slots;
+  a.T = p.T;
+  a.N = static_cast<int>(p.N), a.H = static_cast<int>(p.H), a.HV = static_cast<int>(p.HV);
+  a.K = static_cast<int>(p.K), a.V = static_cast<int>(p.V), a.group = static_cast<int>(p.HV / p.H);
+  a.decay = static_cast<int>(p.spec.decay);  // none, scalar, diagonal: same order as kernels::DecayKind
+  a.precond = p.spec.precond == precond::Kind::identity       ? kernels::kPrecondIdentity
+              : p.spec.precond == precond::Kind::diagonal_atk ? kernels::kPrecondATK
+                                                              : kernels::kPrecondATQ;
+  a.gate_dtype = static_cast<int>(p.gate_dtype);
+  a.online = p.spec.solve == solve::Kind::online;
+  a.l2norm = p.l2norm;
+  a.scale = p.scale != 0.f ? p.scale : 1.f / std::sqrt(static_cast<float>(p.K));
+  a.log_x = std::log(p.x);
+  a.eps = p.eps;
+  return a;
+}
+
+template <class Tin>
+cudaError_t launch_typed(const kernels::RecArgs& a, cudaStream_t stream, bool decode, bool warp, const char** impl) {
+  if (warp) return kernels::launch_recurrent<Tin>(a, stream, impl);
+  return decode ? kernels::launch_decode<Tin>(a, stream, impl) : kernels::launch_forward<Tin>(a, stream, impl);
+}
+
+/// DGPS_CUDA_KERNEL=warp forces the warp-per-column kernel (a testing knob; default: automatic).
+bool force_warp_kernel() {
+  const char* e = std::getenv("DGPS_CUDA_KERNEL");
+  return e && std::string(e) == "warp";
+}
+
+const char* launch(const kernels::RecArgs& a, DType dtype, cudaStream_t stream, bool decode) {
+  const char* impl = "cuda/recurrent";
+  const bool warp = force_warp_kernel();
+  cudaError_t e = cudaSuccess;
+  switch (dtype) {
+    case DType::f32: e = launch_typed<float>(a, stream, decode, warp, &impl); break;
+    case DType::bf16: e = launch_typed<__nv_bfloat16>(a, stream, decode, warp, &impl); break;
+    case DType::f16: e = launch_typed<__half>(a, stream, decode, warp, &impl); break;
+  }
+  throw_on(e, decode ? "decode kernel launch" : "recurrent kernel launch");
+  return impl;
+}
+
+}  // namespace
+
+Workspace::~Workspace() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+void* Workspace::get(size_t bytes) {
+  if (bytes <= bytes_) return ptr_;
+  if (ptr_) throw_on(cudaFree(ptr_), "workspace free");
+  ptr_ = nullptr;
+  bytes_ = 0;
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  throw_on(cudaMalloc(&ptr_, rounded), "workspace allocation");
+  bytes_ = rounded;
+  return ptr_;
+}
+
+bool available() {
+  static const bool ok = [] {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) cudaGetLastError();
+    return e == cudaSuccess && n > 0;
+  }();
+  return ok;
+}
+
+bool is_device_pointer(const void* p) {
+  if (!p || !available()) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+const char* forward(const Params& p, Workspace&, void* stream) {
+  require(available(), "no usable GPU");
+  check(p, false);
+  const kernels::RecArgs a = make_args(p);
+  return launch(a, p.dtype, static_cast<cudaStream_t>(stream), false);
+}
+
+const char* decode(const Params& p, Workspace& ws, void* stream) {
+  require(available(), "no usable GPU");
+  check(p, true);
+  kernels::RecArgs a = make_args(p);
+  a.hT = const_cast<float*>(a.h0);
+  for (int d = 0; d < 3; ++d) a.shT[d] = a.sh0[d];
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (a.precond != kernels::kPrecondIdentity) {
+    // Several warps read a key head's statistics and one writes them back: read a private copy.
+    float* copy = static_cast<float*>(ws.get(sizeof(float) * size_t(p.N) * size_t(p.H) * size_t(p.K)));
+    throw_on(kernels::launch_gather_precond_state(a.a0, a.sa0, p.slots, a.N, a.H, a.K, copy, s),
+             "precond state copy");
+    a.aT = const_cast<float*>(a.a0);
+    for (int d = 0; d < 3; ++d) a.saT[d] = a.sa0[d];
+    a.a0 = copy;
+    a.sa0[0] = int64_t(p.H) * p.K, a.sa0[1] = p.K, a.sa0[2] = 1;
+    a.a0_by_sequence = true;
+  }
+  return launch(a, p.dtype, s, true);
+}
+
+}  // namespace dgps::cuda

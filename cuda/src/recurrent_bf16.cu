@@ -1,0 +1,8 @@
+/// @brief Instantiates the warp, block-row and decode kernels for bf16 inputs (one file per input type so builds parallelise).
+#include "rowblock_impl.cuh"
+
+namespace dgps::cuda::kernels {
+template cudaError_t launch_recurrent<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_decode<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_forward<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**);
+}  // namespace dgps::cuda::kernels

@@ -1,0 +1,310 @@
+/// @brief The block-row recurrent kernel (SPEC §2): decode, and the forward when state rows move 16 bytes at a time.
+///
+/// Decode is bound by the state traffic (K x V float32 read and written per value head) at large
+/// batch and by latency at batch 1; the forward by the float32 arithmetic of the recurrence. Thread
+/// c of a block owns key channel c for the L2 norms and the diagonal preconditioner statistics.
+#pragma once
+
+#include "recurrent_impl.cuh"
+
+namespace dgps::cuda::kernels {
+
+constexpr int kRowThreads = 128;
+/// Tokens staged per group in decode (calls normally carry 1 to 4 tokens); the forward stages 8.
+constexpr int kDecodeGroup = 4;
+
+/// The raw inputs of one group of TG tokens as one thread loads them (prefetched into registers
+/// while the previous group runs): key channel c of k, q (and g for Diagonal decay), NV values
+/// of v, and the scalar gates of token `tid` when tid < TG.
+template <int TG, int NV>
+struct RawGroup {
+  float k[TG], q[TG], g[TG], v[NV];
+  float dec, beta, gp, bp;
+};
+
+/// The block-row recurrent kernel (SPEC §2), for forward (varlen, optional h0/hT) and decode (state
+/// pool through slots, in place). One 128-thread block per (sequence, value head, 4*NCG columns):
+/// NCG column groups of 4 value columns; the 128 state rows are split over NP = 128 / NCG parts, so
+/// thread (part, cg) keeps R = 128 / NP rows x 4 columns in registers and moves them with 16-byte
+/// accesses. Partial sums over rows are combined across parts through shared memory. Tokens are
+/// staged TG at a time; the loads of the next group are issued before the current group runs.
+/// With 128 columns per block (128 state floats per thread) the kernel asks for 2 blocks per SM,
+/// so its registers do not spill; otherwise 3.
+template <class Tin, int NCG, int TG>
+__global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : 3) rowblock_kernel(const RecArgs a) {
+  constexpr int KT = 128;                     // K <= 128, masked
+  constexpr int NP = kRowThreads / NCG;       // parts (row blocks)
+  constexpr int R = KT / NP;                  // rows per thread
+  constexpr int VT = 4 * NCG;                 // value columns per block
+  constexpr int NV = (TG * VT + kRowThreads - 1) / kRowThreads;  // v values per thread and group
+  constexpr int NW = kRowThreads / 32;
+  __shared__ __align__(16) float s_k[TG][KT], s_kw[TG][KT], s_q[TG][KT], s_dg[TG][KT];
+  __shared__ __align__(16) float s_red[3][NP][VT];  // [0]: dot, [1 + token parity]: output
+  __shared__ __align__(16) float s_v[TG][VT];
+  __shared__ float s_dec[TG], s_beta[TG], s_gp[TG], s_bp[TG], s_ss[TG][2][NW];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int part = tid / NCG, cg = tid % NCG;
+  const int n = blockIdx.z, hv = blockIdx.y;
+  const int h = hv / a.group;
+  const int v0 = blockIdx.x * VT + 4 * cg;  // first of this thread's 4 columns
+  const bool vok = v0 < a.V;                // V % 4 == 0: all 4 or none
+  const int K = a.K;
+  const int64_t sidx = a.slots ? a.slots[n] : n;
+  const bool has_p = a.precond != kPrecondIdentity;
+  const bool atk = a.precond == kPrecondATK;
+  const bool diag = a.decay == kDecayDiagonal;
+  int64_t bos = 0, len = a.T, b = n;
+  if (a.cu_seqlens) {
+    bos = a.cu_seqlens[n];
+    len = a.cu_seqlens[n + 1] - bos;
+    b = 0;
+  }
+
+  float4 S[R];
+  const float* h0 = a.h0 ? a.h0 + sidx * a.sh0[0] + hv * a.sh0[1] + v0 : nullptr;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int c = part * R + i;
+    S[i] = (h0 && vok && c < K) ? *reinterpret_cast<const float4*>(h0 + c * a.sh0[2]) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int c = tid;  // this thread's key channel in the staging phase
+  float A = 0.f;
+  if (has_p && a.a0 && c < K) A = a.a0[(a.a0_by_sequence ? n : sidx) * a.sa0[0] + h * a.sa0[1] + c];
+  const float center = has_p ? load_gate(a.center, h, a.gate_dtype) : 0.f;
+
+  const Tin* q = static_cast<const Tin*>(a.q);
+  const Tin* k = static_cast<const Tin*>(a.k);
+  const Tin* v = static_cast<const Tin*>(a.v);
+  Tin* o = static_cast<Tin*>(a.o);
+
+  // Prefetching keeps the raw group alive across the token loop: worth it for long sequences
+  // (forward). Decode's single group is loaded straight into shared memory instead (fewer live
+  // registers next to the 128 of the state).
+  constexpr bool kPrefetch = TG > kDecodeGroup;
+  auto load_group = [&](int64_t t0, RawGroup<TG, NV>& r) {
+    const int nt = static_cast<int>(len - t0 < TG ? len - t0 : TG);
+#pragma unroll
+    for (int tt = 0; tt < TG; ++tt) {
+      const int64_t tok = bos + t0 + tt;
+      const bool ok = tt < nt && c < K;
+      r.k[tt] = ok ? to_float(k[b * a.sk[0] + tok * a.sk[1] + h * a.sk[2] + c]) : 0.f;
+      r.q[tt] = ok ? to_float(q[b * a.sq[0] + tok * a.sq[1] + h * a.sq[2] + c]) : 0.f;
+      const float g = (diag && ok) ? load_gate(a.g, b * a.sg[0] + tok * a.sg[1] + hv * a.sg[2] + c, a.gate_dtype) : 0.f;
+      if (kPrefetch)
+        r.g[tt] = g;
+      else if (diag)
+        s_dg[tt][c] = expf(g);
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int e = tid + j * kRowThreads, tt = e / VT, vc = blockIdx.x * VT + e % VT;
+      const float x =
+          (tt < nt && vc < a.V) ? to_float(v[b * a.sv[0] + (bos + t0 + tt) * a.sv[1] + hv * a.sv[2] + vc]) : 0.f;
+      if (kPrefetch)
+        r.v[j] = x;
+      else if (e < TG * VT)
+        s_v[tt][e % VT] = x;
+    }
+    float dec = 0.f, beta = 1.f, gp = 0.f, bp = 0.f;
+    if (tid < nt) {
+      const int64_t tok = bos + t0 + tid;
+      if (a.decay == kDecayScalar) dec = load_gate(a.g, b * a.sg[0] + tok * a.sg[1] + hv * a.sg[2], a.gate_dtype);
+      if (a.beta) beta = load_gate(a.beta, b * a.sbeta[0] + tok * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype);
+      if (has_p) {
+        gp = load_gate(a.g_p, b * a.sgp[0] + tok * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
+        bp = load_gate(a.beta_p, b * a.sbp[0] + tok * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
+      }
+    }
+    if (kPrefetch) {
+      r.dec = dec, r.beta = beta, r.gp = gp, r.bp = bp;
+    } else if (tid < TG) {
+      s_dec[tid] = expf(dec), s_beta[tid] = beta, s_gp[tid] = expf(gp), s_bp[tid] = bp;
+    }
+  };
+
+  RawGroup<TG, NV> raw;
+  if (kPrefetch && len > 0) load_group(0, raw);
+#pragma unroll 1
+  for (int64_t t0 = 0; t0 < len; t0 += TG) {
+    const int nt = static_cast<int>(len - t0 < TG ? len - t0 : TG);
+    if (!kPrefetch) load_group(t0, raw);
+    // Stage this group: raw values to shared memory, L2 norms (SPEC §1) by warp sums.
+#pragma unroll
+    for (int tt = 0; tt < TG; ++tt) {
+      const float sk = warp_sum(raw.k[tt] * raw.k[tt]);
+      const float sq = warp_sum(raw.q[tt] * raw.q[tt]);
+      if (lane == 0) s_ss[tt][0][warp] = sk, s_ss[tt][1][warp] = sq;
+      s_k[tt][c] = raw.k[tt];
+      s_q[tt][c] = raw.q[tt];
+      if (kPrefetch && diag) s_dg[tt][c] = expf(raw.g[tt]);
+    }
+    if (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int e = tid + j * kRowThreads;
+        if (e < TG * VT) s_v[e / VT][e % VT] = raw.v[j];
+      }
+      if (tid < TG) {
+        s_dec[tid] = expf(raw.dec);  // exp(0) = 1 for no decay
+        s_beta[tid] = raw.beta;
+        s_gp[tid] = expf(raw.gp);
+        s_bp[tid] = raw.bp;
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int tt = 0; tt < nt; ++tt) {
+      float sk = 0.f, sq = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) sk += s_ss[tt][0][w], sq += s_ss[tt][1][w];
+      const float kn = s_k[tt][c] * (a.l2norm ? rsqrtf(sk + 1e-6f) : 1.f);
+      float qn = s_q[tt][c] * (a.l2norm ? rsqrtf(sq + 1e-6f) : 1.f) * a.scale;
+      float kw = kn;
+      if (has_p) {  // SPEC §2: A = exp(g_p) A + beta_p k^2, M = squash(A)
+        A = s_gp[tt] * A + s_bp[tt] * kn * kn;
+        const float M = squash(A, center, a.log_x, a.eps);
+        if (atk)
+          kw = kn * M;
+        else
+          qn *= M;
+      }
+      s_k[tt][c] = kn;
+      s_kw[tt][c] = kw;
+      s_q[tt][c] = qn;
+    }
+    __syncthreads();
+    if (kPrefetch && t0 + TG < len) load_group(t0 + TG, raw);  // in flight while this group runs
+    // The recurrence (SPEC §2) for this thread's R rows x 4 columns.
+#pragma unroll 1
+    for (int tt = 0; tt < nt; ++tt) {
+      const float* kr = &s_k[tt][part * R];
+      const float* kw = &s_kw[tt][part * R];
+      const float* qr = &s_q[tt][part * R];
+      const float dec = s_dec[tt];
+      if (diag) {
+        const float* dg = &s_dg[tt][part * R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const float d = dg[i];
+          S[i].x *= d, S[i].y *= d, S[i].z *= d, S[i].w *= d;
+        }
+      }
+      const float bt = s_beta[tt];
+      const float4 vv = *reinterpret_cast<const float4*>(&s_v[tt][4 * cg]);
+      float4 delta = make_float4(bt * vv.x, bt * vv.y, bt * vv.z, bt * vv.w);
+      if (a.online) {
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const float kk = kr[i];
+          r.x = fmaf(S[i].x, kk, r.x), r.y = fmaf(S[i].y, kk, r.y);
+          r.z = fmaf(S[i].z, kk, r.z), r.w = fmaf(S[i].w, kk, r.w);
+        }
+        *reinterpret_cast<float4*>(&s_red[0][part][4 * cg]) = r;
+        __syncthreads();
+        r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const float4 x = *reinterpret_cast<const float4*>(&s_red[0][p][4 * cg]);
+          r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
+        }
+        delta = make_float4(bt * (vv.x - dec * r.x), bt * (vv.y - dec * r.y), bt * (vv.z - dec * r.z),
+                            bt * (vv.w - dec * r.w));
+      }
+      float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const float w = kw[i], qq = qr[i];
+        S[i].x = fmaf(S[i].x, dec, w * delta.x), S[i].y = fmaf(S[i].y, dec, w * delta.y);
+        S[i].z = fmaf(S[i].z, dec, w * delta.z), S[i].w = fmaf(S[i].w, dec, w * delta.w);
+        out.x = fmaf(S[i].x, qq, out.x), out.y = fmaf(S[i].y, qq, out.y);
+        out.z = fmaf(S[i].z, qq, out.z), out.w = fmaf(S[i].w, qq, out.w);
+      }
+      float(*red)[VT] = s_red[1 + (tt & 1)];
+      *reinterpret_cast<float4*>(&red[part][4 * cg]) = out;
+      __syncthreads();
+      if (part == 0 && vok) {
+        out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const float4 x = *reinterpret_cast<const float4*>(&red[p][4 * cg]);
+          out.x += x.x, out.y += x.y, out.z += x.z, out.w += x.w;
+        }
+        Tin* op = o + b * a.so[0] + (bos + t0 + tt) * a.so[1] + hv * a.so[2] + v0;
+        op[0] = from_float<Tin>(out.x), op[1] = from_float<Tin>(out.y);
+        op[2] = from_float<Tin>(out.z), op[3] = from_float<Tin>(out.w);
+      }
+    }
+    __syncthreads();
+  }
+
+  if (a.hT) {
+    float* hT = a.hT + sidx * a.shT[0] + hv * a.shT[1] + v0;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int cc = part * R + i;
+      if (vok && cc < K) *reinterpret_cast<float4*>(hT + cc * a.shT[2]) = S[i];
+    }
+  }
+  if (has_p && a.aT && hv % a.group == 0 && blockIdx.x == 0 && c < K) a.aT[sidx * a.saT[0] + h * a.saT[1] + c] = A;
+}
+
+template <class Tin, int NCG, int TG>
+cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream) {
+  constexpr int VT = 4 * NCG;
+  const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
+  rowblock_kernel<Tin, NCG, TG><<<grid, kRowThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+/// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).
+inline bool rowblock_vectorizable(const RecArgs& a) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return a.V % 4 == 0 && aligned(a.h0) && aligned(a.hT) && a.sh0[0] % 4 == 0 && a.sh0[1] % 4 == 0 &&
+         a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
+}
+
+/// Decode: 128 columns per block when that fills the GPU twice over, else 32 (more, smaller blocks
+/// for small batches). States whose rows cannot be moved 16 bytes at a time use the warp kernel.
+template <class Tin>
+cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** impl) {
+  if (!rowblock_vectorizable(a)) return launch_recurrent<Tin>(a, stream, impl);
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 127) / 128);
+  if (blocks >= 2 * sms) {
+    *impl = "cuda/decode/v128";
+    return launch_rowblock_variant<Tin, 32, kDecodeGroup>(a, stream);
+  }
+  *impl = "cuda/decode/v32";
+  return launch_rowblock_variant<Tin, 8, kDecodeGroup>(a, stream);
+}
+
+/// Forward with the block-row kernel (16-byte state rows): 64 columns per block when that gives at
+/// least one block per SM, else 32. Returns false when the state layout does not allow it.
+template <class Tin>
+bool launch_rowblock_forward(const RecArgs& a, cudaStream_t stream, const char** impl, cudaError_t* err) {
+  if (!rowblock_vectorizable(a)) return false;
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 63) / 64);
+  if (blocks >= sms) {
+    *impl = "cuda/rowblock/v64";
+    *err = launch_rowblock_variant<Tin, 16, 8>(a, stream);
+  } else {
+    *impl = "cuda/rowblock/v32";
+    *err = launch_rowblock_variant<Tin, 8, 8>(a, stream);
+  }
+  return true;
+}
+
+/// Forward: the block-row kernel when the state layout allows it, else the warp kernel.
+template <class Tin>
+cudaError_t launch_forward(const RecArgs& a, cudaStream_t stream, const char** impl) {
+  cudaError_t e = cudaSuccess;
+  if (launch_rowblock_forward<Tin>(a, stream, impl, &e)) return e;
+  return launch_recurrent<Tin>(a, stream, impl);
+}
+
+}  // namespace dgps::cuda::kernels

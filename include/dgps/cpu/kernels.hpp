@@ -1,0 +1,66 @@
+/// @brief The boundary of the compiled CPU leaf kernels (library dgps_cpu_kernels): a plain params struct.
+///
+/// The header side (dgps/cpu/backend.hpp) converts a validated detail::Problem<T> into KernelParams
+/// and calls one of the entry points below. The kernels are compiled once per instruction set
+/// (AVX-512, AVX2+FMA, generic) and chosen at run time in one place (backends/cpu/dispatch.cpp);
+/// the environment variable DGPS_MAX_CPU_ISA (avx512 | avx2 | generic) caps the choice.
+#pragma once
+
+#include <cstdint>
+
+#include "dgps/recurrence.hpp"
+
+namespace dgps::cpu::kernels {
+
+/// Element type of every tensor of one call (inputs, outputs and states share it on the CPU).
+enum class DType { f32, f64 };
+
+/// A strided view as the kernels see it: element (i0, .., i3) at data[i0*stride[0] + .. + i3*stride[3]];
+/// the last used dimension is contiguous. `data == nullptr` means absent.
+struct KView {
+  void* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+};
+
+/// Everything one forward or decode call needs, already validated (detail/check.hpp).
+struct KernelParams {
+  DType dtype = DType::f32;
+  ModelSpec spec;
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, N = 0;
+  const int64_t* cu_seqlens = nullptr;  ///< [N+1] or null
+  const int64_t* slots = nullptr;       ///< decode: state index of sequence n, or null
+  KView q, k, v, g, beta, g_p, beta_p, center;  ///< inputs [B,T,H,K] .. center [H]
+  KView h0, a0;                                 ///< initial states [N,HV,K,V], [N,H,K] (or [N,H,K,K])
+  KView o, hT, aT;                              ///< outputs
+  double scale = 1, x = 1.5, eps = 1e-6, lambda = 1;
+  bool l2norm = true;
+  int threads = 0;     ///< 0 = all available
+  int64_t chunk = 64;  ///< chunk length C of the chunkwise algorithm
+
+  /// First token and length of sequence n; its batch row; its state index.
+  int64_t seq_begin(int64_t n) const { return cu_seqlens ? cu_seqlens[n] : 0; }
+  int64_t seq_len(int64_t n) const { return cu_seqlens ? cu_seqlens[n + 1] - cu_seqlens[n] : T; }
+  int64_t seq_batch(int64_t n) const { return cu_seqlens ? 0 : n; }
+  int64_t state_index(int64_t n) const { return slots ? slots[n] : n; }
+};
+
+/// True when the chunkwise kernels cover `spec`: every decay, gain and solve with the Identity,
+/// DiagonalATK or DiagonalATQ preconditioner (SPEC §4); the exact preconditioners are recurrent only.
+constexpr bool chunkwise_covers(const ModelSpec& spec) {
+  return spec.precond == precond::Kind::identity || spec.precond == precond::Kind::diagonal_atk ||
+         spec.precond == precond::Kind::diagonal_atq;
+}
+
+/// Name of the instruction set the kernels use in this process: "avx512", "avx2" or "generic".
+const char* isa_name();
+
+/// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given.
+/// Parallel over (sequence, value head) on `threads` threads. Returns "cpu/chunkwise/<isa>".
+const char* chunkwise_forward(const KernelParams& p);
+
+/// Decode of `p.T` tokens per sequence (SPEC §2 token by token) for every model: reads the states
+/// from h0/a0 and writes them to hT/aT (the same memory is allowed: states are updated in place).
+/// Returns "cpu/decode/<isa>".
+const char* decode(const KernelParams& p);
+
+}  // namespace dgps::cpu::kernels

@@ -1,0 +1,153 @@
+/// @brief dgps::cuda, the CUDA backend's public API: device-pointer forward and decode on a caller's stream.
+///
+/// Link `dgps::cuda` to use it. The calls take raw device pointers (described by `dgps::cuda::Params`,
+/// the plain params struct at the kernel boundary) and a `cudaStream_t` passed as `void*`, so this
+/// header does not need `cuda_runtime.h`. Nothing here synchronises with the host: a call can be
+/// captured in a CUDA graph. Values inside device tensors (`cu_seqlens`, `slots`) are the caller's
+/// contract (SPEC §1); only shapes, pointers and options are validated on the host.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dgps/detail/problem.hpp"
+#include "dgps/error.hpp"
+#include "dgps/recurrence.hpp"
+#include "dgps/types.hpp"
+
+namespace dgps::cuda {
+
+/// Element type of a device tensor. States (h0, hT, a0, aT) are always float32.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+/// "f32", "bf16", "f16".
+inline const char* to_string(DType d) {
+  static constexpr const char* n[] = {"f32", "bf16", "f16"};
+  return n[int(d)];
+}
+
+/// A device tensor: its data pointer and the element strides of its first three dimensions (the
+/// last dimension is contiguous, so a rank-3 tensor has stride[2] == 1). Absent tensors have
+/// `data == nullptr`.
+/// Layouts (SPEC §1): q, k [B,T,H,K]; v, o [B,T,HV,V]; g [B,T,HV] or [B,T,HV,K]; beta [B,T,HV];
+/// g_p, beta_p [B,T,H]; center [H]; h0, hT [N,HV,K,V]; a0, aT [N,H,K].
+struct Tensor {
+  const void* data = nullptr;
+  int64_t stride[3] = {0, 0, 0};
+
+  /// A contiguous tensor of sizes [d0, d1, d2, d3] (rank 4), or [d0, d1, d2] with d3 = 1 (rank 3).
+  static Tensor contiguous(const void* p, int64_t d1, int64_t d2, int64_t d3) {
+    Tensor t;
+    t.data = p;
+    t.stride[2] = d3;
+    t.stride[1] = d2 * d3;
+    t.stride[0] = d1 * d2 * d3;
+    return t;
+  }
+};
+
+/// Everything a CUDA forward or decode call needs (the params struct at the kernel boundary).
+struct Params {
+  ModelSpec spec;                   ///< the recurrence (SPEC §2); exact preconditioners are not supported
+  DType dtype = DType::bf16;        ///< element type of q, k, v and o
+  DType gate_dtype = DType::f32;    ///< element type of g, beta, g_p, beta_p, center
+  int64_t B = 1, T = 0, H = 1, HV = 1, K = 0, V = 0;
+  int64_t N = 1;                    ///< number of sequences: B, or the length of cu_seqlens minus one
+  Tensor q, k, v, g, beta, g_p, beta_p, center;
+  Tensor h0, a0;                    ///< optional initial states (float32)
+  Tensor o, hT, aT;                 ///< output (dtype) and optional final states (float32)
+  const int64_t* cu_seqlens = nullptr;  ///< device [N+1], packed varlen batch (B = 1), or null
+  const int64_t* slots = nullptr;       ///< decode only: device [N], state index of each sequence, or null
+  float scale = 0;                  ///< multiplies q after the L2 norm; 0 means 1/sqrt(K)
+  float x = 1.5f;                   ///< squash bound of the diagonal preconditioners
+  float eps = 1e-6f;                ///< inside log(A + eps)
+  bool l2norm = true;               ///< L2-normalise q and k per head (SPEC §1)
+  Algorithm algorithm = Algorithm::automatic;  ///< automatic or recurrent (no chunkwise CUDA kernel yet)
+};
+
+/// Device scratch memory owned by the caller and reused across calls: it grows when a call needs
+/// more and never shrinks, so repeated calls of one size do not allocate. Not thread-safe: use one
+/// per stream.
+class Workspace {
+ public:
+  Workspace() = default;
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  /// Moves the buffer; the source becomes empty.
+  Workspace(Workspace&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr, o.bytes_ = 0; }
+  /// At least `bytes` of device memory, 256-byte aligned; valid until the next call with more bytes.
+  void* get(size_t bytes);
+  /// Bytes currently held.
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// True when the CUDA runtime finds a usable GPU (false on a machine without a GPU or driver).
+bool available();
+
+/// True when `p` points to device (or managed) memory of the current device.
+bool is_device_pointer(const void* p);
+
+/// True when the CUDA backend implements model `spec` with `algorithm`: every decay, gain and solve
+/// with the Identity or diagonal preconditioners (not the exact ones), recurrent algorithm.
+constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::automatic) {
+  const bool diag_or_identity = spec.precond == precond::Kind::identity ||
+                                spec.precond == precond::Kind::diagonal_atk ||
+                                spec.precond == precond::Kind::diagonal_atq;
+  return diag_or_identity && (algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent);
+}
+
+/// Forward pass (SPEC §2, §4) on `stream` (a cudaStream_t; null = the default stream). Writes `o`
+/// and, when given, `hT`/`aT`. Throws dgps::Error for a call it cannot run (nothing is launched
+/// then). Returns the name of the kernel that ran: "cuda/rowblock/v64" (block-row kernel, 64 value
+/// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
+/// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
+const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);
+
+/// Decode: `p.T` (1 to a few) new tokens for each of `p.B` sequences (`p.N == p.B`, no cu_seqlens),
+/// continuing from the states `p.h0`/`p.a0` (a pool of states addressed through `p.slots`, or one
+/// per sequence) and writing them back in place (`p.hT`/`p.aT` must equal `p.h0`/`p.a0` or be null,
+/// which means the same). Equal to `forward` with h0 = hT = state. Returns "cuda/decode/v128",
+/// "cuda/decode/v32" or the warp kernel's name.
+const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
+
+namespace detail {
+/// The strides of a validated view's first three dimensions (the rest of the Tensor contract).
+template <class T>
+Tensor tensor_of(const TensorView<T>& v) {
+  Tensor t;
+  t.data = v.data;
+  for (int d = 0; d < 3; ++d) t.stride[d] = d < v.rank ? v.stride[d] : 0;
+  return t;
+}
+}  // namespace detail
+
+/// Builds the Params of a validated float32 Problem whose tensors are device pointers
+/// (`cu_seqlens` and `slots` are passed separately: they are device pointers too).
+inline Params params_from(const dgps::detail::Problem<float>& p, const int64_t* cu_seqlens, const int64_t* slots,
+                          Algorithm algorithm) {
+  Params c;
+  c.spec = p.spec;
+  c.dtype = DType::f32;
+  c.gate_dtype = DType::f32;
+  c.B = p.B, c.T = p.T_, c.H = p.H, c.HV = p.HV, c.K = p.K, c.V = p.V, c.N = p.N;
+  c.q = detail::tensor_of(p.q), c.k = detail::tensor_of(p.k), c.v = detail::tensor_of(p.v);
+  c.g = detail::tensor_of(p.g), c.beta = detail::tensor_of(p.beta);
+  c.g_p = detail::tensor_of(p.g_p), c.beta_p = detail::tensor_of(p.beta_p), c.center = detail::tensor_of(p.center);
+  c.h0 = detail::tensor_of(p.h0), c.a0 = detail::tensor_of(p.a0);
+  c.o = detail::tensor_of(p.o), c.hT = detail::tensor_of(p.hT), c.aT = detail::tensor_of(p.aT);
+  c.cu_seqlens = cu_seqlens;
+  c.slots = slots;
+  c.scale = static_cast<float>(p.scale);
+  c.x = static_cast<float>(p.x);
+  c.eps = static_cast<float>(p.eps);
+  c.l2norm = p.l2norm;
+  c.algorithm = algorithm;
+  return c;
+}
+
+}  // namespace dgps::cuda

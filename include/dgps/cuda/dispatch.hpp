@@ -1,0 +1,99 @@
+/// @brief The CUDA branch of dgps::forward / dgps::decode: validation for device tensors and the call into dgps::cuda.
+///
+/// Included by dgps/dgps.hpp only when DGPS_HAS_CUDA is defined (targets linking dgps::cuda).
+/// Validation reads shapes, strides and options on the host; the values of device `cu_seqlens` and
+/// `slots` are the caller's contract on the GPU (monotone, ending at T; distinct slots inside the
+/// pool), since reading them would need a host synchronisation.
+#pragma once
+
+#include <cstdlib>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "dgps/backend.hpp"
+#include "dgps/cuda.hpp"
+#include "dgps/detail/check.hpp"
+
+namespace dgps::detail {
+
+/// True when a call with these options and this query pointer runs on the CUDA backend: asked for
+/// explicitly (or through DGPS_BACKEND=cuda), or `automatic` with the data in device memory.
+inline bool wants_cuda(Backend requested, const void* q) {
+  if (requested == Backend::cuda) return true;
+  if (requested != Backend::automatic) return false;
+  const char* env = std::getenv("DGPS_BACKEND");
+  if (env && *env) return backend_from_string(env) == Backend::cuda;
+  return cuda::is_device_pointer(q);
+}
+
+/// Host placeholder offsets [0, T, ..., T] with which the shape rules of check.hpp are applied to
+/// a device `cu_seqlens` of the same length.
+inline std::vector<int64_t> placeholder_offsets(const TensorView<const int64_t>& cu, int64_t T) {
+  std::vector<int64_t> h(static_cast<size_t>(cu.rank == 1 && cu.size[0] > 0 ? cu.size[0] : 2), T);
+  h[0] = 0;
+  return h;
+}
+
+template <class T>
+void require_float_for_cuda() {
+  if constexpr (!std::is_same_v<T, float>)
+    throw Error("backend 'cuda' takes float32 tensors through dgps::forward/decode; call dgps::cuda::forward "
+                "directly for bfloat16 or float16");
+}
+
+/// dgps::forward on the CUDA backend (device pointers, default stream, asynchronous).
+template <class R, class T>
+RunInfo cuda_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt) {
+  require_float_for_cuda<T>();
+  if (!cuda_available()) select_backend(Backend::cuda);  // throws the 'not available' error
+  if (!cuda::supports(spec_of<R>(), opt.algorithm))
+    throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " algorithm for " +
+                to_string(spec_of<R>()));
+  if constexpr (std::is_same_v<T, float>) {
+    Inputs<T> host = in;
+    std::vector<int64_t> cu;
+    if (in.cu_seqlens.data) {
+      cu = placeholder_offsets(in.cu_seqlens, in.shape.time);
+      host.cu_seqlens = TensorView<const int64_t>(cu.data(), {static_cast<int64_t>(cu.size())});
+    }
+    const Problem<T> p = check_forward<R>(host, out, opt);
+    cuda::Workspace ws;
+    const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, opt.algorithm);
+    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::forward(cp, ws, nullptr)};
+    report("forward", info);
+    return info;
+  } else {
+    return {};
+  }
+}
+
+/// dgps::decode on the CUDA backend (device pointers, default stream, asynchronous). Allocates a
+/// small workspace per call for the preconditioner state; use dgps::cuda::decode with a reused
+/// dgps::cuda::Workspace on hot paths.
+template <class R, class T>
+RunInfo cuda_decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, const Options& opt) {
+  require_float_for_cuda<T>();
+  if (!cuda_available()) select_backend(Backend::cuda);
+  if (!cuda::supports(spec_of<R>(), Algorithm::recurrent))
+    throw Error(std::string("backend 'cuda' has no decode for ") + to_string(spec_of<R>()));
+  if constexpr (std::is_same_v<T, float>) {
+    DecodeState<T> host = state;
+    std::vector<int64_t> ids;
+    if (state.slots.data) {
+      ids.resize(static_cast<size_t>(state.slots.rank == 1 ? state.slots.size[0] : 0));
+      std::iota(ids.begin(), ids.end(), int64_t(0));
+      host.slots = TensorView<const int64_t>(ids.data(), {static_cast<int64_t>(ids.size())});
+    }
+    const Problem<T> p = check_decode<R>(host, tokens, o, opt);
+    cuda::Workspace ws;
+    const cuda::Params cp = cuda::params_from(p, nullptr, state.slots.data, Algorithm::recurrent);
+    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::decode(cp, ws, nullptr)};
+    report("decode", info);
+    return info;
+  } else {
+    return {};
+  }
+}
+
+}  // namespace dgps::detail

@@ -1,0 +1,436 @@
+/// @brief GPU tests of dgps::cuda against the float64 reference: conformance cases, large random cases, decode.
+///
+/// Skips (exit 0, with a message) when no GPU is present, so CI can build it without a GPU.
+/// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <dgps/cuda.hpp>
+#include <dgps/dgps.hpp>
+
+/// The conformance data: $DGPS_TEST_DATA_DIR when set (the GPU machine has its own checkout path).
+inline const char* dgps_cuda_test_data() {
+  const char* e = std::getenv("DGPS_TEST_DATA_DIR");
+  return e && *e ? e : DGPS_TEST_DATA_DEFAULT;
+}
+#define DGPS_TEST_DATA dgps_cuda_test_data()
+#include "../support.hpp"
+
+namespace {
+
+using dgps::cuda::DType;
+using dgps_test::Arrays;
+using dgps_test::Case;
+
+int g_failures = 0;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+/// A device buffer freed on scope exit.
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t n) : bytes(n) { check_cuda(cudaMalloc(&p, n ? n : 1), "cudaMalloc"); }
+  DevBuf(DevBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+};
+
+size_t elem_size(DType d) { return d == DType::f32 ? 4 : 2; }
+
+/// Rounds to the given type and back (the values the GPU sees).
+double round_to(double x, DType d) {
+  if (d == DType::bf16) return double(__bfloat162float(__float2bfloat16(float(x))));
+  if (d == DType::f16) return double(__half2float(__float2half(float(x))));
+  return double(float(x));
+}
+
+DevBuf upload(const std::vector<double>& v, DType d) {
+  DevBuf b(v.size() * elem_size(d));
+  std::vector<unsigned char> host(b.bytes ? b.bytes : 1);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (d == DType::f32) {
+      const float f = float(v[i]);
+      std::memcpy(&host[4 * i], &f, 4);
+    } else if (d == DType::bf16) {
+      const __nv_bfloat16 h = __float2bfloat16(float(v[i]));
+      std::memcpy(&host[2 * i], &h, 2);
+    } else {
+      const __half h = __float2half(float(v[i]));
+      std::memcpy(&host[2 * i], &h, 2);
+    }
+  }
+  check_cuda(cudaMemcpy(b.p, host.data(), b.bytes, cudaMemcpyHostToDevice), "upload");
+  return b;
+}
+
+std::vector<double> download(const DevBuf& b, size_t n, DType d) {
+  std::vector<unsigned char> host(n * elem_size(d) + 1);
+  check_cuda(cudaMemcpy(host.data(), b.p, n * elem_size(d), cudaMemcpyDeviceToHost), "download");
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (d == DType::f32) {
+      float f;
+      std::memcpy(&f, &host[4 * i], 4);
+      out[i] = f;
+    } else if (d == DType::bf16) {
+      __nv_bfloat16 h;
+      std::memcpy(&h, &host[2 * i], 2);
+      out[i] = __bfloat162float(h);
+    } else {
+      __half h;
+      std::memcpy(&h, &host[2 * i], 2);
+      out[i] = __half2float(h);
+    }
+  }
+  return out;
+}
+
+/// The float64 reference forward of a case (dgps::reference, SPEC §2 token by token).
+Arrays reference_forward(const Case& c) {
+  return dgps::dispatch(c.spec, [&]<class R>() {
+    dgps_test::CaseTensors<double> ct(c);
+    const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
+    std::vector<double> o(std::max<int64_t>(c.shape.batch * c.shape.time * HV * V, 1));
+    std::vector<double> hT(c.N * HV * K * V), aT(c.N * H * K);
+    auto in = ct.inputs(c);
+    auto out = dgps::outputs<double>(o.data()).final_state(
+        hT.data(), c.spec.precond == dgps::precond::Kind::identity ? nullptr : aT.data());
+    const auto p = dgps::detail::check_forward<R>(in, out, c.opt);
+    dgps::reference::forward<R, double, double>(p, 1);
+    o.resize(c.shape.batch * c.shape.time * HV * V);
+    Arrays r{{"o", o}, {"hT", hT}};
+    if (c.spec.precond != dgps::precond::Kind::identity) r["aT"] = aT;
+    return r;
+  });
+}
+
+/// A copy of the case with q, k, v rounded to `d` and the gates to `gd` (what the GPU computes on).
+Case rounded(const Case& c, DType d, DType gd) {
+  Case r = c;
+  for (auto& [n, v] : r.arr) {
+    const bool io = n == "q" || n == "k" || n == "v";
+    const bool gate = n == "g" || n == "beta" || n == "g_p" || n == "beta_p" || n == "center";
+    if (io || gate)
+      for (auto& x : v) x = round_to(x, io ? d : gd);
+  }
+  return r;
+}
+
+dgps::cuda::Tensor contiguous4(const DevBuf& b, int64_t d1, int64_t d2, int64_t d3) {
+  return b.p ? dgps::cuda::Tensor::contiguous(b.p, d1, d2, d3) : dgps::cuda::Tensor{};
+}
+
+/// Runs the case on the GPU with input type d and gate type gd; outputs poisoned with NaN first.
+Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl) {
+  const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads,
+                K = c.shape.key_dim, V = c.shape.value_dim, N = c.N;
+  const bool diag_p = c.spec.precond != dgps::precond::Kind::identity;
+  std::map<std::string, DevBuf> buf;
+  for (const char* n : {"q", "k", "v"})
+    if (c.has(n)) buf[n] = upload(c.arr.at(n), d);
+  for (const char* n : {"g", "beta", "g_p", "beta_p", "center"})
+    if (c.has(n)) buf[n] = upload(c.arr.at(n), gd);
+  for (const char* n : {"h0", "a0"})
+    if (c.has(n)) buf[n] = upload(c.arr.at(n), DType::f32);
+  DevBuf o(size_t(B * T * HV * V) * elem_size(d)), hT(size_t(N * HV * K * V) * 4), aT(size_t(N * H * K) * 4);
+  check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
+  check_cuda(cudaMemset(hT.p, 0xff, hT.bytes), "poison");
+  check_cuda(cudaMemset(aT.p, 0xff, aT.bytes), "poison");
+  DevBuf cu;
+  if (!c.cu.empty()) {
+    cu = DevBuf(c.cu.size() * sizeof(int64_t));
+    check_cuda(cudaMemcpy(cu.p, c.cu.data(), cu.bytes, cudaMemcpyHostToDevice), "cu_seqlens");
+  }
+  dgps::cuda::Params p;
+  p.spec = c.spec;
+  p.dtype = d;
+  p.gate_dtype = gd;
+  p.B = B, p.T = T, p.H = H, p.HV = HV, p.K = K, p.V = V, p.N = N;
+  p.q = contiguous4(buf["q"], T, H, K);
+  p.k = contiguous4(buf["k"], T, H, K);
+  p.v = contiguous4(buf["v"], T, HV, V);
+  if (c.has("g"))
+    p.g = c.spec.decay == dgps::decay::Kind::diagonal ? contiguous4(buf["g"], T, HV, K) : contiguous4(buf["g"], T, HV, 1);
+  if (c.has("beta")) p.beta = contiguous4(buf["beta"], T, HV, 1);
+  if (c.has("g_p")) p.g_p = contiguous4(buf["g_p"], T, H, 1);
+  if (c.has("beta_p")) p.beta_p = contiguous4(buf["beta_p"], T, H, 1);
+  if (c.has("center")) p.center = contiguous4(buf["center"], 1, 1, 1);
+  if (c.has("h0")) p.h0 = contiguous4(buf["h0"], HV, K, V);
+  if (c.has("a0")) p.a0 = contiguous4(buf["a0"], H, K, 1);
+  p.o = contiguous4(o, T, HV, V);
+  p.hT = contiguous4(hT, HV, K, V);
+  if (diag_p) p.aT = contiguous4(aT, H, K, 1);
+  p.cu_seqlens = c.cu.empty() ? nullptr : static_cast<const int64_t*>(cu.p);
+  p.scale = float(c.opt.scale ? *c.opt.scale : 1.0 / std::sqrt(double(K)));
+  p.x = float(c.opt.x);
+  p.eps = float(c.opt.eps);
+  p.l2norm = c.opt.l2norm_qk;
+  *impl = dgps::cuda::forward(p, ws, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "forward");
+  Arrays r;
+  r["o"] = download(o, size_t(B * T * HV * V), d);
+  r["hT"] = download(hT, size_t(N * HV * K * V), DType::f32);
+  if (diag_p) r["aT"] = download(aT, size_t(N * H * K), DType::f32);
+  return r;
+}
+
+double tolerance(DType d) { return d == DType::f32 ? 1e-4 : 2e-2; }
+
+void report(const std::string& name, const char* what, double err, double tol, const std::string& impl) {
+  const bool ok = err < tol;
+  if (!ok) ++g_failures;
+  std::printf("%-5s %-44s %-3s err %.3e (tol %.0e) %s\n", ok ? "ok" : "FAIL", name.c_str(), what, err, tol,
+              impl.c_str());
+}
+
+/// Compares GPU output (type d) with the reference on the inputs the GPU saw, and with `gold` if given.
+void compare(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
+             const Arrays* gold) {
+  std::string impl;
+  const Arrays got = gpu_forward(c, d, gd, ws, &impl);
+  const Arrays ref = reference_forward(rounded(c, d, gd));
+  for (const char* t : {"o", "hT", "aT"}) {
+    if (!got.count(t)) continue;
+    double err = dgps_test::rel_err(got.at(t), ref.at(t));
+    if (gold && d == DType::f32 && gold->count(t)) {
+      const auto dn = c.denom.find(t);
+      err = std::max(err, dgps_test::rel_err(got.at(t), gold->at(t), dn == c.denom.end() ? -1 : dn->second));
+    }
+    report(name + "/" + dgps::cuda::to_string(d), t, err, tolerance(d), impl);
+  }
+}
+
+void conformance(dgps::cuda::Workspace& ws) {
+  for (const auto& name : dgps_test::case_names()) {
+    const Case c = dgps_test::load_case(name);
+    if (!dgps::cuda::supports(c.spec)) {
+      std::printf("skip  %-44s (exact preconditioner: not on the CUDA backend)\n", name.c_str());
+      continue;
+    }
+    Arrays gold;
+    for (const char* t : {"o", "hT", "aT"})
+      if (c.has(t)) gold[t] = c.arr.at(t);
+    compare("conf/" + name, c, DType::f32, DType::f32, ws, &gold);
+    compare("conf/" + name, c, DType::bf16, DType::f32, ws, nullptr);
+  }
+}
+
+dgps::ModelSpec spec_named(const char* n) { return dgps::model_by_name(n); }
+
+Case make_random(const char* model, dgps::Shape s, std::vector<int64_t> cu, uint64_t seed,
+                 const dgps_test::Gen& gen = {}) {
+  Case c = dgps_test::random_case(spec_named(model), s, cu, seed, gen);
+  c.opt = dgps::Options{};
+  return c;
+}
+
+void random_cases(dgps::cuda::Workspace& ws, bool quick) {
+  const char* models[] = {"la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn", "pkda", "pmamba2"};
+  uint64_t seed = 100;
+  for (const char* m : models) {
+    // K = V = 128 with GVA (HV = 2H), bf16 and f32.
+    Case c = make_random(m, {.batch = 2, .time = 300, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
+                         seed++);
+    compare(std::string("rand/") + m + "/B2T300H2HV4K128", c, DType::f32, DType::f32, ws, nullptr);
+    compare(std::string("rand/") + m + "/B2T300H2HV4K128", c, DType::bf16, DType::f32, ws, nullptr);
+    if (quick) return;
+    // K = V = 64, varlen with a one-token and an empty sequence, no initial states.
+    dgps_test::Gen g0;
+    g0.h0 = false;
+    g0.a0 = false;
+    Case v = make_random(m, {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
+                         {0, 100, 101, 101, 400, 700}, seed++, g0);
+    compare(std::string("rand/") + m + "/varlen_K64", v, DType::f32, DType::f32, ws, nullptr);
+    compare(std::string("rand/") + m + "/varlen_K64", v, DType::f16, DType::bf16, ws, nullptr);
+    // Sizes that are not powers of two; GVA x4.
+    Case o = make_random(m, {.batch = 3, .time = 77, .heads = 1, .v_heads = 4, .key_dim = 100, .value_dim = 48}, {},
+                         seed++);
+    compare(std::string("rand/") + m + "/K100V48", o, DType::f32, DType::f32, ws, nullptr);
+  }
+  // Very strong decay and g = 0 (SPEC §5), long sequence.
+  dgps_test::Gen strong;
+  strong.g_lo = -50, strong.g_hi = -10;
+  for (const char* m : {"gdn", "kda", "pkda"}) {
+    Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, strong);
+    compare(std::string("rand/") + m + "/strong_decay", c, DType::f32, DType::f32, ws, nullptr);
+  }
+  dgps_test::Gen zero;
+  zero.g_lo = 0, zero.g_hi = 1e-300;
+  Case z = make_random("pgdn", {.batch = 1, .time = 500, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128},
+                       {}, seed++, zero);
+  compare("rand/pgdn/g0", z, DType::f32, DType::f32, ws, nullptr);
+  // Grids large enough for the one- and two-threads-per-column variants of the recurrent kernel.
+  Case w1 = make_random("pkda", {.batch = 16, .time = 64, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+                        {}, seed++);
+  compare("rand/pkda/B16H16HV32", w1, DType::bf16, DType::f32, ws, nullptr);
+  Case w2 = make_random("pgdn", {.batch = 5, .time = 64, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
+                        {}, seed++);
+  compare("rand/pgdn/B5H16", w2, DType::f32, DType::f32, ws, nullptr);
+  Case w3 = make_random("pmamba2", {.batch = 12, .time = 40, .heads = 8, .v_heads = 32, .key_dim = 64, .value_dim = 64},
+                        {}, seed++);
+  compare("rand/pmamba2/B12H8HV32K64", w3, DType::f32, DType::f32, ws, nullptr);
+  // The warp-per-column kernel (used when state rows cannot move 16 bytes at a time), forced.
+  setenv("DGPS_CUDA_KERNEL", "warp", 1);
+  for (const char* m : {"pgdn", "pkda", "pmamba2", "gla"}) {
+    Case c = make_random(m, {.batch = 2, .time = 100, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 64}, {},
+                         seed++);
+    compare(std::string("warp/") + m, c, DType::bf16, DType::f32, ws, nullptr);
+    compare(std::string("warp/") + m, c, DType::f32, DType::f32, ws, nullptr);
+  }
+  Case wl = make_random("pgdn", {.batch = 16, .time = 64, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+                        {}, seed++);
+  compare("warp/pgdn/B16H16HV32", wl, DType::f32, DType::f32, ws, nullptr);
+  unsetenv("DGPS_CUDA_KERNEL");
+  // Odd V (no 16-byte state rows): the warp kernel is chosen automatically, also for decode.
+  Case odd = make_random("kda", {.batch = 2, .time = 50, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 30}, {},
+                         seed++);
+  compare("rand/kda/V30", odd, DType::f32, DType::f32, ws, nullptr);
+  // A large case: B = 2, T = 2048, H = 4, K = V = 128.
+  for (const char* m : {"pgdn", "pkda"}) {
+    Case big = make_random(m, {.batch = 2, .time = 2048, .heads = 4, .v_heads = 4, .key_dim = 128, .value_dim = 128},
+                           {}, seed++);
+    compare(std::string("rand/") + m + "/B2T2048H4K128", big, DType::bf16, DType::bf16, ws, nullptr);
+    compare(std::string("rand/") + m + "/B2T2048H4K128", big, DType::f32, DType::f32, ws, nullptr);
+  }
+}
+
+/// Decode of Tn tokens for N sequences addressed through a slot table into a pool of P states.
+void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cuda::Workspace& ws, int64_t N = 3) {
+  const int64_t P = 2 * N, H = 2, HV = 4, K = 128, V = 128;
+  std::vector<int64_t> slots(N);
+  for (int64_t n = 0; n < N; ++n) slots[n] = (n * 7 + 4) % P;  // distinct while 7 does not divide P
+  Case c = make_random(model, {.batch = N, .time = Tn, .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V}, {},
+                       seed);
+  const bool diag_p = c.spec.precond != dgps::precond::Kind::identity;
+  dgps_test::Rng rng(seed + 7);
+  std::vector<double> hpool(P * HV * K * V), apool(P * H * K);
+  for (auto& x : hpool) x = 0.5 * rng.normal();
+  for (auto& x : apool) x = rng.uniform(0.0, 2.0);
+  std::vector<double> h0(N * HV * K * V), a0(N * H * K);
+  for (int64_t n = 0; n < N; ++n) {
+    std::copy_n(hpool.begin() + slots[n] * HV * K * V, HV * K * V, h0.begin() + n * HV * K * V);
+    std::copy_n(apool.begin() + slots[n] * H * K, H * K, a0.begin() + n * H * K);
+  }
+  c.arr["h0"] = h0;
+  if (diag_p) c.arr["a0"] = a0;
+  const Arrays ref = reference_forward(rounded(c, d, DType::f32));
+  std::vector<double> hexp = hpool, aexp = apool;
+  for (int64_t n = 0; n < N; ++n) {
+    std::copy_n(ref.at("hT").begin() + n * HV * K * V, HV * K * V, hexp.begin() + slots[n] * HV * K * V);
+    if (diag_p) std::copy_n(ref.at("aT").begin() + n * H * K, H * K, aexp.begin() + slots[n] * H * K);
+  }
+  std::map<std::string, DevBuf> buf;
+  for (const char* n : {"q", "k", "v"}) buf[n] = upload(c.arr.at(n), d);
+  for (const char* n : {"g", "beta", "g_p", "beta_p", "center"})
+    if (c.has(n)) buf[n] = upload(c.arr.at(n), DType::f32);
+  DevBuf hp = upload(hpool, DType::f32), ap = upload(apool, DType::f32);
+  DevBuf sl(slots.size() * 8), o(size_t(N * Tn * HV * V) * elem_size(d));
+  check_cuda(cudaMemcpy(sl.p, slots.data(), sl.bytes, cudaMemcpyHostToDevice), "slots");
+  check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
+  dgps::cuda::Params p;
+  p.spec = c.spec;
+  p.dtype = d;
+  p.B = N, p.T = Tn, p.H = H, p.HV = HV, p.K = K, p.V = V, p.N = N;
+  p.q = contiguous4(buf["q"], Tn, H, K);
+  p.k = contiguous4(buf["k"], Tn, H, K);
+  p.v = contiguous4(buf["v"], Tn, HV, V);
+  if (c.has("g"))
+    p.g = c.spec.decay == dgps::decay::Kind::diagonal ? contiguous4(buf["g"], Tn, HV, K)
+                                                      : contiguous4(buf["g"], Tn, HV, 1);
+  if (c.has("beta")) p.beta = contiguous4(buf["beta"], Tn, HV, 1);
+  if (c.has("g_p")) p.g_p = contiguous4(buf["g_p"], Tn, H, 1);
+  if (c.has("beta_p")) p.beta_p = contiguous4(buf["beta_p"], Tn, H, 1);
+  if (c.has("center")) p.center = contiguous4(buf["center"], 1, 1, 1);
+  p.h0 = contiguous4(hp, HV, K, V);
+  if (diag_p) p.a0 = contiguous4(ap, H, K, 1);
+  p.o = contiguous4(o, Tn, HV, V);
+  p.slots = static_cast<const int64_t*>(sl.p);
+  const std::string impl = dgps::cuda::decode(p, ws, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "decode");
+  const std::string name = std::string("decode/") + model + "/T" + std::to_string(Tn) + "/" + dgps::cuda::to_string(d);
+  report(name, "o", dgps_test::rel_err(download(o, size_t(N * Tn * HV * V), d), ref.at("o")), tolerance(d), impl);
+  report(name, "h", dgps_test::rel_err(download(hp, hpool.size(), DType::f32), hexp), tolerance(d), impl);
+  if (diag_p)
+    report(name, "a", dgps_test::rel_err(download(ap, apool.size(), DType::f32), aexp), tolerance(d), impl);
+}
+
+/// dgps::forward / dgps::decode with float32 device pointers pick the CUDA backend automatically.
+void public_api() {
+  Case c = make_random("pgdn", {.batch = 1, .time = 150, .heads = 2, .v_heads = 4, .key_dim = 64, .value_dim = 32},
+                       {0, 50, 150}, 999);
+  const Arrays ref = reference_forward(rounded(c, DType::f32, DType::f32));
+  std::map<std::string, DevBuf> b;
+  for (const auto& [n, v] : c.arr)
+    if (n != "do" && n != "dhT" && n != "daT") b[n] = upload(v, DType::f32);
+  DevBuf cu(c.cu.size() * 8), o(ref.at("o").size() * 4), hT(ref.at("hT").size() * 4), aT(ref.at("aT").size() * 4);
+  check_cuda(cudaMemcpy(cu.p, c.cu.data(), cu.bytes, cudaMemcpyHostToDevice), "cu");
+  auto f = [&](const char* n) { return static_cast<const float*>(b[n].p); };
+  auto in = dgps::inputs<float>(c.shape, f("q"), f("k"), f("v"));
+  in.decay(f("g")).gain(f("beta")).precond(f("g_p"), f("beta_p"), f("center")).initial_state(f("h0"), f("a0"));
+  in.varlen(static_cast<const int64_t*>(cu.p), 2);
+  auto out = dgps::outputs<float>(static_cast<float*>(o.p)).final_state(static_cast<float*>(hT.p),
+                                                                         static_cast<float*>(aT.p));
+  const dgps::RunInfo info = dgps::forward<dgps::PGDN>(in, out);
+  check_cuda(cudaDeviceSynchronize(), "dgps::forward");
+  const bool on_cuda = info.backend == dgps::Backend::cuda;
+  if (!on_cuda) ++g_failures;
+  std::printf("%-5s dgps::forward on device pointers chose backend %s (%s)\n", on_cuda ? "ok" : "FAIL",
+              dgps::to_string(info.backend), info.impl.c_str());
+  report("api/forward/pgdn/varlen", "o", dgps_test::rel_err(download(o, ref.at("o").size(), DType::f32), ref.at("o")),
+         1e-4, info.impl);
+  report("api/forward/pgdn/varlen", "aT",
+         dgps_test::rel_err(download(aT, ref.at("aT").size(), DType::f32), ref.at("aT")), 1e-4, info.impl);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!dgps::cuda::available() || !dgps::cuda_available()) {
+    std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
+    return 0;
+  }
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "device properties");
+  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  dgps::cuda::Workspace ws;
+  try {
+    conformance(ws);
+    random_cases(ws, quick);
+    uint64_t seed = 5000;
+    for (const char* m : {"pgdn", "pkda", "mamba2", "pmamba2", "gdn"})
+      for (int64_t Tn : {1, 3}) {
+        decode_case(m, Tn, DType::f32, seed++, ws);
+        if (!quick) decode_case(m, Tn, DType::bf16, seed++, ws);
+      }
+    decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
+    decode_case("kda", 2, DType::f32, seed++, ws, 66);
+    public_api();
+  } catch (const std::exception& e) {
+    std::printf("FAIL  exception: %s\n", e.what());
+    return 1;
+  }
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}
