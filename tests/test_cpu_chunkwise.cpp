@@ -222,7 +222,7 @@ TEST_CASE("cpu decode kernel: every model, several steps of 1-3 tokens, slots, e
         if (!a.empty()) st.a = tv<double>(a, adims);
         st.slots = dgps::TensorView<const int64_t>(slots.data(), {N});
         dgps::Options opt = on(dgps::Backend::cpu, 2);
-        const dgps::RunInfo info = dgps::dynamic::decode<double>(spec, st, in, o.data(), opt);
+        const dgps::RunInfo info = dgps::dynamic::decode(spec, st, in, o.data(), opt);
         CHECK(info.impl == std::string("cpu/decode/") + dgps::cpu::kernels::isa_name());
         for (int64_t b = 0; b < N; ++b)
           for (int64_t i = 0; i < step * HV * V; ++i) o_all[(b * Tn + t) * HV * V + i] = o[(b * step) * HV * V + i];

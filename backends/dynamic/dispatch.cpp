@@ -32,7 +32,8 @@ RunInfo backward(const ModelSpec& s, const Inputs<T>& in, const GradsIn<T>& gi, 
   });
 }
 template <class T>
-RunInfo decode(const ModelSpec& s, const DecodeState<T>& st, const Inputs<T>& in, Out<T> out, const Options& o) {
+RunInfo decode(const ModelSpec& s, const DecodeState<T>& st, const Inputs<T>& in, std::type_identity_t<Out<T>> out,
+               const Options& o) {
   return by_decay_solve(s, [&]<class E>() {
     return E::template decode<T>(s, st, in, out, o);
   });

@@ -5,6 +5,8 @@
 /// policy combinations (generated from cmake/dgps_combinations.cmake) for float and double.
 #pragma once
 
+#include <type_traits>
+
 #include "dgps/recurrence.hpp"
 #include "dgps/types.hpp"
 
@@ -19,8 +21,8 @@ RunInfo backward(const ModelSpec& spec, const Inputs<T>& in, const GradsIn<T>& g
                  const Options& opt = {});
 /// dgps::decode for the model that `spec` names.
 template <class T>
-RunInfo decode(const ModelSpec& spec, const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o,
-               const Options& opt = {});
+RunInfo decode(const ModelSpec& spec, const DecodeState<T>& state, const Inputs<T>& tokens,
+               std::type_identity_t<Out<T>> o, const Options& opt = {});
 
 extern template RunInfo forward<float>(const ModelSpec&, const Inputs<float>&, const Outputs<float>&, const Options&);
 extern template RunInfo forward<double>(const ModelSpec&, const Inputs<double>&, const Outputs<double>&, const Options&);
