@@ -64,6 +64,8 @@ template <class R, class T>
 RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt = {}) {
   const detail::Problem<T> p = detail::check_backward<R>(in, gin, grads, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
+  if (info.backend == Backend::cuda)
+    throw Error("backend 'cuda' has no backward pass yet; run backward on the cpu or reference backend");
   detail::check_supported<R>(info.backend, opt.algorithm);
   if (info.backend == Backend::reference) {
     reference::backward<R, T, double>(p, p.threads);
