@@ -297,16 +297,7 @@ using Arrays = std::map<std::string, std::vector<double>>;
 /// A view of `v` with the given sizes (contiguous).
 template <class U>
 dgps::TensorView<U> tv(std::vector<std::remove_const_t<U>>& v, std::vector<int64_t> dims) {
-  dgps::TensorView<U> t;
-  t.data = v.data();
-  t.rank = static_cast<int>(dims.size());
-  int64_t st = 1;
-  for (int d = t.rank - 1; d >= 0; --d) {
-    t.size[d] = dims[d];
-    t.stride[d] = st;
-    st *= dims[d];
-  }
-  return t;
+  return dgps::view<U>(v.data(), dims);
 }
 
 /// Forward of case `c` with input type T: model R at compile time, or dgps::dynamic when R is void.

@@ -13,14 +13,7 @@ namespace {
 /// A view of the time range [t0, t0 + n) of a contiguous array with dims [B, T, ...] (strided in B).
 template <class U>
 dgps::TensorView<U> time_slice(U* base, const std::vector<int64_t>& dims, int64_t t0, int64_t n) {
-  dgps::TensorView<U> t;
-  t.rank = static_cast<int>(dims.size());
-  int64_t st = 1;
-  for (int d = t.rank - 1; d >= 0; --d) {
-    t.size[d] = dims[d];
-    t.stride[d] = st;
-    st *= dims[d];
-  }
+  dgps::TensorView<U> t = dgps::view<U>(base, dims);
   t.size[1] = n;
   t.data = base ? base + t0 * t.stride[1] : nullptr;
   if (!base) t.rank = 0;

@@ -32,16 +32,7 @@ std::string model_label(const dgps::ModelSpec& spec);
 /// A contiguous C-order view of `p` with the given sizes (rank <= 4).
 template <class T>
 dgps::TensorView<T> view_of(T* p, const std::vector<int64_t>& shape) {
-  dgps::TensorView<T> v;
-  v.data = p;
-  v.rank = static_cast<int>(shape.size());
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.size[d] = shape[d];
-    v.stride[d] = stride;
-    stride *= shape[d];
-  }
-  return v;
+  return dgps::view<T>(p, shape);
 }
 
 }  // namespace dgps_tool

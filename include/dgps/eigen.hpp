@@ -129,17 +129,10 @@ requires detail::DirectTensor<M> TensorView<detail::element_t<M>> view(M&& t) {
   constexpr int r = static_cast<int>(Ten::NumIndices);
   static_assert(r >= 1 && r <= kMaxRank, "dgps::eigen::view: tensors of rank 1 to 4 only");
   constexpr bool row_major = static_cast<int>(Ten::Layout) == static_cast<int>(Eigen::RowMajor);
-  TensorView<detail::element_t<M>> v;
-  v.data = t.data();
-  v.rank = r;
   const auto& dims = t.dimensions();
-  for (int d = 0; d < r; ++d) v.size[d] = static_cast<int64_t>(dims[row_major ? d : r - 1 - d]);
-  int64_t st = 1;
-  for (int d = r - 1; d >= 0; --d) {
-    v.stride[d] = st;
-    st *= v.size[d];
-  }
-  return v;
+  int64_t sizes[kMaxRank] = {};
+  for (int d = 0; d < r; ++d) sizes[d] = static_cast<int64_t>(dims[row_major ? d : r - 1 - d]);
+  return TensorView<detail::element_t<M>>(t.data(), sizes, r);
 }
 
 /// A view of an Eigen Tensor or TensorMap with explicit sizes (a reshape of its contiguous storage):

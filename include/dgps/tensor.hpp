@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace dgps {
 
@@ -27,15 +28,12 @@ struct TensorView {
   TensorView() = default;
 
   /// A contiguous row-major (C order) view of `data` with the given sizes.
-  TensorView(T* ptr, std::initializer_list<int64_t> sizes) : data(ptr), rank(static_cast<int>(sizes.size())) {
-    int i = 0;
-    for (int64_t s : sizes) size[i++] = s;
-    int64_t st = 1;
-    for (int d = rank - 1; d >= 0; --d) {
-      stride[d] = st;
-      st *= size[d];
-    }
+  TensorView(T* ptr, std::initializer_list<int64_t> sizes) : data(ptr) {
+    set_contiguous(sizes.begin(), static_cast<int>(sizes.size()));
   }
+
+  /// A contiguous row-major (C order) view of `ptr` with the sizes `sizes[0..r)` (r <= kMaxRank).
+  TensorView(T* ptr, const int64_t* sizes, int r) : data(ptr) { set_contiguous(sizes, r); }
 
   /// A strided view: `strides` in elements, one per dimension.
   TensorView(T* ptr, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides)
@@ -54,6 +52,17 @@ struct TensorView {
   template <class U>
     requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
   TensorView(const TensorView<U>& o) : data(o.data), rank(o.rank), size(o.size), stride(o.stride) {}
+
+  /// Sets rank, sizes and C-order strides (the data pointer is unchanged).
+  void set_contiguous(const int64_t* sizes, int r) {
+    rank = r;
+    int64_t st = 1;
+    for (int d = r - 1; d >= 0; --d) {
+      size[d] = sizes[d];
+      stride[d] = st;
+      st *= sizes[d];
+    }
+  }
 
   /// True when the view refers to data.
   bool present() const { return data != nullptr; }
@@ -101,6 +110,12 @@ struct TensorView {
 template <class T>
 TensorView<T> view(T* ptr, std::initializer_list<int64_t> sizes) {
   return TensorView<T>(ptr, sizes);
+}
+
+/// A contiguous view of `ptr` with sizes known at run time (C order, at most kMaxRank of them).
+template <class T>
+TensorView<T> view(T* ptr, const std::vector<int64_t>& sizes) {
+  return TensorView<T>(ptr, sizes.data(), static_cast<int>(sizes.size()));
 }
 
 }  // namespace dgps

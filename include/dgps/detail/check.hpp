@@ -31,13 +31,7 @@ TensorView<T> resolve(const char* name, TensorView<T> t, const std::vector<int64
   }
   const int r = static_cast<int>(expect.size());
   if (t.rank == kImplicitRank) {  // a bare pointer: contiguous, in the SPEC shape
-    t.rank = r;
-    int64_t st = 1;
-    for (int d = r - 1; d >= 0; --d) {
-      t.size[d] = expect[d];
-      t.stride[d] = st;
-      st *= expect[d];
-    }
+    t.set_contiguous(expect.data(), r);
     return t;
   }
   if (t.rank < 0) throw Error(std::string("tensor '") + name + "': sizes and strides have different lengths");
