@@ -5,16 +5,21 @@
 /// V = value dim, C = chunk): Online solve 6KV + 2CK + 2CV (the chunk products [K;Q]S, the state
 /// update, the causal halves of Akk and Aqk, the triangular solve and Aqk R); Offline 4KV + CK + CV;
 /// decode 6KV (two reads and one write of the K x V state per token). The same count is used for the
-/// recurrent runs, so GFLOP/s ratios equal time ratios. Forward+backward reports the time ratio to the
-/// forward. Usage: dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]
+/// recurrent runs, so GFLOP/s ratios equal time ratios. The fwdbwd group prints the forward, the
+/// chunkwise backward (ratio = (forward + backward) / forward) and the recurrent backward on a 512-token
+/// prefix (ratio = its time over the chunkwise backward's on the same prefix); the backward's GFLOP/s
+/// counts twice the forward's FLOPs. Usage:
+/// dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]
 /// where LIST has prefill,batch,fwdbwd,decode,sweep.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -150,6 +155,35 @@ struct Problem {
   }
 };
 
+/// The same problem with its inputs rounded to bfloat16 (and a bfloat16 output), for the bf16 rows.
+struct ProblemBf16 {
+  const Problem& p;
+  std::vector<dgps::bf16> q, k, v, g, gd, beta, gp, bp, center, o;
+  explicit ProblemBf16(const Problem& p_) : p(p_) {
+    auto cvt = [](const std::vector<float>& x) { return std::vector<dgps::bf16>(x.begin(), x.end()); };
+    q = cvt(p.q), k = cvt(p.k), v = cvt(p.v), g = cvt(p.g), gd = cvt(p.gd), beta = cvt(p.beta);
+    gp = cvt(p.gp), bp = cvt(p.bp), center = cvt(p.center), o = cvt(p.o);
+  }
+  template <class R>
+  dgps::Inputs<dgps::bf16> inputs() const {
+    auto in = dgps::inputs<dgps::bf16>(p.shape(), q.data(), k.data(), v.data());
+    if constexpr (R::decay_type::needs_g) in.decay(R::decay_type::per_channel ? gd.data() : g.data());
+    if constexpr (R::gain_type::needs_beta) in.gain(beta.data());
+    if constexpr (dgps::precond::needs_gates<typename R::precond_type>)
+      in.precond(gp.data(), bp.data(), center.data());
+    return in;
+  }
+};
+
+/// `n` floats starting at a 64-byte boundary inside `buf` (resized to hold them): inference engines
+/// allocate their state caches 64-byte aligned; a 16-byte aligned std::vector would put every vector
+/// load of the decode sweep across two cache lines (measured ~1.4x slower decode).
+float* aligned_floats(std::vector<float>& buf, size_t n) {
+  buf.assign(n + 16, 0.0f);
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + ((64 - addr % 64) % 64) / sizeof(float);
+}
+
 template <class R>
 double flops_per_token_head(int64_t K, int64_t V, int64_t C) {
   if constexpr (R::solve_type::kind == dgps::solve::Kind::online)
@@ -222,48 +256,91 @@ struct Bench {
     }
   }
 
-  template <class R>
-  void fwdbwd(const char* model, const Problem& p) {
-    auto in = p.inputs<R>();
-    auto out = dgps::outputs<float>(const_cast<float*>(p.o.data()));
-    std::vector<float> dq(p.q.size()), dk(p.k.size()), dv(p.v.size()), dg(p.g.size()), db(p.beta.size()),
-        dgp(p.gp.size()), dbp(p.bp.size()), dc(p.center.size());
+  /// Gradient buffers of one problem (every gradient model R has), owned here.
+  struct GradBuffers {
+    std::vector<float> dq, dk, dv, dg, db, dgp, dbp, dc;
     dgps::Grads<float> gr;
-    gr.dq = dgps::Out<float>(dq.data()).view;
-    gr.dk = dgps::Out<float>(dk.data()).view;
-    gr.dv = dgps::Out<float>(dv.data()).view;
-    if constexpr (R::decay_type::needs_g) gr.dg = dgps::Out<float>(dg.data()).view;
-    if constexpr (R::gain_type::needs_beta) gr.dbeta = dgps::Out<float>(db.data()).view;
-    if constexpr (dgps::precond::needs_gates<typename R::precond_type>) {
-      gr.dg_p = dgps::Out<float>(dgp.data()).view;
-      gr.dbeta_p = dgps::Out<float>(dbp.data()).view;
-      gr.dcenter = dgps::Out<float>(dc.data()).view;
+    template <class R>
+    void init(const Problem& p) {
+      dq.resize(p.q.size()), dk.resize(p.k.size()), dv.resize(p.v.size());
+      dg.resize(R::decay_type::per_channel ? p.gd.size() : p.g.size()), db.resize(p.beta.size());
+      dgp.resize(p.gp.size()), dbp.resize(p.bp.size()), dc.resize(p.center.size());
+      gr.dq = dgps::Out<float>(dq.data()).view;
+      gr.dk = dgps::Out<float>(dk.data()).view;
+      gr.dv = dgps::Out<float>(dv.data()).view;
+      if constexpr (R::decay_type::needs_g) gr.dg = dgps::Out<float>(dg.data()).view;
+      if constexpr (R::gain_type::needs_beta) gr.dbeta = dgps::Out<float>(db.data()).view;
+      if constexpr (dgps::precond::needs_gates<typename R::precond_type>) {
+        gr.dg_p = dgps::Out<float>(dgp.data()).view;
+        gr.dbeta_p = dgps::Out<float>(dbp.data()).view;
+        gr.dcenter = dgps::Out<float>(dc.data()).view;
+      }
     }
+  };
+
+  /// Seconds of one backward of model R on `p` with algorithm `alg` (median of `reps`); `info` gets what ran.
+  template <class R>
+  double time_backward(const Problem& p, int threads, dgps::Algorithm alg, int reps, dgps::RunInfo& info) {
+    auto in = p.inputs<R>();
+    GradBuffers g;
+    g.template init<R>(p);
+    dgps::Options opt;
+    opt.backend = dgps::Backend::cpu;
+    opt.algorithm = alg;
+    opt.threads = threads;
+    return time_median(reps, [&] { info = dgps::backward<R>(in, dgps::grads_in<float>(p.d_o.data()), g.gr, opt); });
+  }
+
+  /// Training step cost: the forward, the chunkwise backward and (fwd + bwd) / fwd on `p`; then the
+  /// recurrent backward against the chunkwise one on the shorter prefix `pr` (ratio = speed-up).
+  template <class R>
+  void fwdbwd(const char* model, const Problem& p, const Problem& pr) {
     for (int th : args.threads) {
-      dgps::Options opt;
-      opt.backend = dgps::Backend::cpu;
-      opt.threads = th;
-      const double f = time_median(1, [&] { dgps::forward<R>(in, out, opt); });
+      const Record f = forward<R>("fwdbwd", model, p, th, dgps::Algorithm::chunkwise, args.reps);
+      print(f);
       dgps::RunInfo info;
-      const double b = time_median(1, [&] { info = dgps::backward<R>(in, dgps::grads_in<float>(p.d_o.data()), gr, opt); });
-      Record r{"fwdbwd", model, "automatic", "forward + " + info.impl, p.B, p.T, p.H, p.K, p.V, th};
-      r.seconds = f + b;
-      r.tokens_per_s = double(p.B * p.T) / r.seconds;
-      r.gflops = 3.0 * flops_per_token_head<R>(p.K, p.V, opt.chunk_size) * double(p.B * p.T * p.H) / r.seconds * 1e-9;
+      const double b = time_backward<R>(p, th, dgps::Algorithm::chunkwise, args.reps, info);
+      Record r{"fwdbwd", model, "backward", info.impl, p.B, p.T, p.H, p.K, p.V, th};
+      r.seconds = b;
+      r.tokens_per_s = double(p.B * p.T) / b;
+      r.gflops = 2.0 * flops_per_token_head<R>(p.K, p.V, 64) * double(p.B * p.T * p.H) / b * 1e-9;
       r.pct_peak = 100.0 * r.gflops / peak_for(th);
-      r.ratio = r.seconds / f;  // (forward + backward) / forward
+      r.ratio = (f.seconds + b) / f.seconds;  // (forward + backward) / forward
       print(r);
+      if (args.quick) continue;
+      const double bc = time_backward<R>(pr, th, dgps::Algorithm::chunkwise, args.reps, info);
+      const double br = time_backward<R>(pr, th, dgps::Algorithm::recurrent, 1, info);
+      Record rr{"fwdbwd", model, "bwd-recur", info.impl, pr.B, pr.T, pr.H, pr.K, pr.V, th};
+      rr.seconds = br;
+      rr.tokens_per_s = double(pr.B * pr.T) / br;
+      rr.ratio = br / bc;  // chunkwise backward speed-up over the recurrent backward
+      print(rr);
     }
   }
 
-  template <class R>
-  void decode(const char* model, int64_t B, int64_t H, int64_t K, int64_t V) {
+  /// One decode step of the whole batch per call, element type T (float or dgps::bf16; the state is
+  /// float either way, 64-byte aligned). Returns the seconds per step for each of args.threads; with
+  /// `f32` (those of the float32 run) the rows' ratio is the speed over float32.
+  template <class R, class T = float>
+  std::vector<double> decode(const char* model, int64_t B, int64_t H, int64_t K, int64_t V,
+                             const std::vector<double>& f32 = {}) {
     const Problem p(B, 1, H, K, V);
-    std::vector<float> h(size_t(B * H * K * V), 0.0f), a(size_t(B * H * K), 0.0f);
-    dgps::DecodeState<float> st;
-    st.h = dgps::TensorView<float>(h.data(), {B, H, K, V});
-    if constexpr (dgps::precond::needs_gates<typename R::precond_type>) st.a = dgps::TensorView<float>(a.data(), {B, H, K});
-    auto in = p.inputs<R>();
+    std::vector<float> hbuf, abuf;
+    float* h = aligned_floats(hbuf, size_t(B * H * K * V));
+    float* a = aligned_floats(abuf, size_t(B * H * K));
+    dgps::DecodeState<T> st;
+    st.h = dgps::TensorView<float>(h, {B, H, K, V});
+    if constexpr (dgps::precond::needs_gates<typename R::precond_type>) st.a = dgps::TensorView<float>(a, {B, H, K});
+    std::vector<T> o(p.o.size());
+    dgps::Inputs<T> in;
+    std::unique_ptr<ProblemBf16> p16;
+    if constexpr (std::is_same_v<T, float>) {
+      in = p.inputs<R>();
+    } else {
+      p16 = std::make_unique<ProblemBf16>(p);
+      in = p16->inputs<R>();
+    }
+    std::vector<double> out;
     for (int th : args.threads) {
       dgps::Options opt;
       opt.backend = dgps::Backend::cpu;
@@ -271,14 +348,46 @@ struct Bench {
       dgps::RunInfo info;
       const int inner = 200;
       const double s = time_median(args.reps, [&] {
-        for (int i = 0; i < inner; ++i) info = dgps::decode<R>(st, in, const_cast<float*>(p.o.data()), opt);
+        for (int i = 0; i < inner; ++i) info = dgps::decode<R>(st, in, o.data(), opt);
       }) / inner;
       Record r{"decode", model, "decode", info.impl, B, 1, H, K, V, th};
+      if (out.size() < f32.size()) r.ratio = f32[out.size()] / s;  // speed over float32, same run
+      out.push_back(s);
       r.seconds = s;
       r.tokens_per_s = double(B) / s;
       r.us_per_token = s * 1e6;  // one decode step of the whole batch
       r.gflops = 6.0 * K * V * double(B * H) / s * 1e-9;
       r.pct_peak = 100.0 * r.gflops / peak_for(th);
+      print(r);
+    }
+    return out;
+  }
+
+  /// Chunkwise prefill of model R in float32 and in bfloat16 (inputs and o; float compute), back to
+  /// back for each thread count; the bf16 row's ratio is its tokens/s over float32's.
+  template <class R>
+  void prefill_bf16(const char* model, const Problem& p) {
+    const ProblemBf16 p16(p);
+    const auto in16 = p16.inputs<R>();
+    std::vector<dgps::bf16> o16(p.o.size());
+    for (int th : args.threads) {
+      const Record f = forward<R>("prefill", model, p, th, dgps::Algorithm::chunkwise, args.reps);
+      dgps::Options opt;
+      opt.backend = dgps::Backend::cpu;
+      opt.algorithm = dgps::Algorithm::chunkwise;
+      opt.threads = th;
+      dgps::RunInfo info;
+      const auto out16 = dgps::outputs<dgps::bf16>(o16.data());
+      const double s = time_median(args.reps, [&] { info = dgps::forward<R>(in16, out16, opt); });
+      Record r = f;
+      r.model = std::string(model) + "-bf16";
+      r.impl = info.impl;
+      r.seconds = s;
+      r.tokens_per_s = double(p.B * p.T) / s;
+      r.gflops = f.gflops * f.seconds / s;
+      r.pct_peak = f.pct_peak * f.seconds / s;
+      r.ratio = f.seconds / s;  // bf16 speed over float32, same run
+      print(f);
       print(r);
     }
   }
@@ -333,6 +442,7 @@ struct Bench {
         }
       };
       both.template operator()<dgps::GDN>("gdn");
+      prefill_bf16<dgps::GDN>("gdn", p);
       both.template operator()<dgps::PGDN>("pgdn");
       both.template operator()<dgps::KDA>("kda");
       both.template operator()<dgps::PKDA>("pkda");
@@ -346,12 +456,16 @@ struct Bench {
     }
     if (want("fwdbwd")) {
       const Problem p(1, args.quick ? 512 : T, H, K, K);
-      fwdbwd<dgps::GDN>("gdn", p);
-      fwdbwd<dgps::PGDN>("pgdn", p);
+      const Problem pr(1, 512, H, K, K);  // recurrent backward baseline on a shorter prefix
+      fwdbwd<dgps::GDN>("gdn", p, pr);
+      fwdbwd<dgps::PGDN>("pgdn", p, pr);
+      fwdbwd<dgps::KDA>("kda", p, pr);
+      fwdbwd<dgps::PKDA>("pkda", p, pr);
     }
     if (want("decode")) {
       for (int64_t B : {int64_t(1), int64_t(16)}) {
-        decode<dgps::GDN>("gdn", B, H, K, K);
+        const std::vector<double> f32 = decode<dgps::GDN>("gdn", B, H, K, K);
+        decode<dgps::GDN, dgps::bf16>("gdn-bf16", B, H, K, K, f32);
         decode<dgps::PGDN>("pgdn", B, H, K, K);
         decode<dgps::KDA>("kda", B, H, K, K);
       }

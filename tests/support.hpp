@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -45,6 +46,24 @@ struct Case {
 
   bool has(const std::string& n) const { return arr.count(n) > 0; }
 };
+
+/// Sets DGPS_MAX_CPU_ISA for the lifetime of the object (restores "unset" afterwards).
+struct IsaCap {
+  explicit IsaCap(const char* isa) { setenv("DGPS_MAX_CPU_ISA", isa, 1); }
+  ~IsaCap() { unsetenv("DGPS_MAX_CPU_ISA"); }
+  IsaCap(const IsaCap&) = delete;
+  IsaCap& operator=(const IsaCap&) = delete;
+};
+
+/// Every combination the CPU chunkwise kernels cover (3 decays x 2 gains x 3 preconditioners x 2 solves).
+inline std::vector<dgps::ModelSpec> covered_specs() {
+  std::vector<dgps::ModelSpec> out;
+  for (auto d : {dgps::decay::Kind::none, dgps::decay::Kind::scalar, dgps::decay::Kind::diagonal})
+    for (auto g : {dgps::gain::Kind::unit, dgps::gain::Kind::scalar})
+      for (auto p : {dgps::precond::Kind::identity, dgps::precond::Kind::diagonal_atk, dgps::precond::Kind::diagonal_atq})
+        for (auto s : {dgps::solve::Kind::online, dgps::solve::Kind::offline}) out.push_back({d, g, p, s});
+  return out;
+}
 
 inline dgps::ModelSpec spec_from(const std::string& d, const std::string& g, const std::string& p, const std::string& s) {
   dgps::ModelSpec m;

@@ -14,7 +14,8 @@ struct Result {
 };
 
 template <class T>
-Result run_case(const Case& c, dgps::Backend backend, int threads) {
+Result run_case(const Case& c, dgps::Backend backend, int threads,
+                dgps::Algorithm algorithm = dgps::Algorithm::automatic) {
   using S = dgps::state_t<T>;
   CaseTensors<T> ct(c);
   const int64_t B = c.shape.batch, Tn = c.shape.time, HV = c.shape.v_heads, V = c.shape.value_dim;
@@ -25,6 +26,7 @@ Result run_case(const Case& c, dgps::Backend backend, int threads) {
   dgps::Options opt = c.opt;
   opt.backend = backend;
   opt.threads = threads;
+  opt.algorithm = algorithm;
   opt.chunk_size = 16;  // several checkpoints per sequence in backward
   Result r;
   {
@@ -64,10 +66,12 @@ Result run_case(const Case& c, dgps::Backend backend, int threads) {
   return r;
 }
 
-void check_all(const char* label, dgps::Backend backend, bool f32, double tol, int threads) {
+void check_all(const char* label, dgps::Backend backend, bool f32, double tol, int threads,
+               dgps::Algorithm algorithm = dgps::Algorithm::automatic) {
   for (const auto& name : case_names()) {
     const Case c = load_case(name);
-    const Result r = f32 ? run_case<float>(c, backend, threads) : run_case<double>(c, backend, threads);
+    const Result r =
+        f32 ? run_case<float>(c, backend, threads, algorithm) : run_case<double>(c, backend, threads, algorithm);
     for (const auto& [n, e] : r.err) {
       INFO(label << " case " << name << " tensor " << n << " err " << e);
       CHECK(e < tol);
@@ -85,8 +89,12 @@ TEST_CASE("conformance: reference backend, float32 inputs, within 1e-4") {
   check_all("reference/f32", dgps::Backend::reference, true, 1e-4, 1);
 }
 TEST_CASE("conformance: cpu recurrent, float64, within 1e-9 (2 threads)") {
-  check_all("cpu/f64", dgps::Backend::cpu, false, 1e-9, 2);
+  check_all("cpu/f64", dgps::Backend::cpu, false, 1e-9, 2, dgps::Algorithm::recurrent);
 }
 TEST_CASE("conformance: cpu recurrent, float32, within 1e-4 (2 threads)") {
-  check_all("cpu/f32", dgps::Backend::cpu, true, 1e-4, 2);
+  check_all("cpu/f32", dgps::Backend::cpu, true, 1e-4, 2, dgps::Algorithm::recurrent);
+}
+TEST_CASE("conformance: cpu automatic (chunkwise where covered), float64 within 1e-9, float32 within 1e-4") {
+  check_all("cpu/auto/f64", dgps::Backend::cpu, false, 1e-9, 2);
+  check_all("cpu/auto/f32", dgps::Backend::cpu, true, 1e-4, 2);
 }

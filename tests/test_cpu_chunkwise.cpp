@@ -18,25 +18,7 @@ namespace gk = dgps::gain;
 namespace pk = dgps::precond;
 namespace sk = dgps::solve;
 
-/// Sets DGPS_MAX_CPU_ISA for the lifetime of the object (restores "unset" afterwards).
-struct IsaCap {
-  explicit IsaCap(const char* isa) { setenv("DGPS_MAX_CPU_ISA", isa, 1); }
-  ~IsaCap() { unsetenv("DGPS_MAX_CPU_ISA"); }
-  IsaCap(const IsaCap&) = delete;
-  IsaCap& operator=(const IsaCap&) = delete;
-};
-
 const char* const kIsas[] = {"generic", "avx2", "avx512"};
-
-/// Every combination the chunkwise kernels cover (3 decays x 2 gains x 3 preconditioners x 2 solves).
-std::vector<dgps::ModelSpec> covered_specs() {
-  std::vector<dgps::ModelSpec> out;
-  for (auto d : {dk::Kind::none, dk::Kind::scalar, dk::Kind::diagonal})
-    for (auto g : {gk::Kind::unit, gk::Kind::scalar})
-      for (auto p : {pk::Kind::identity, pk::Kind::diagonal_atk, pk::Kind::diagonal_atq})
-        for (auto s : {sk::Kind::online, sk::Kind::offline}) out.push_back({d, g, p, s});
-  return out;
-}
 
 dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   dgps::Options o = on(dgps::Backend::cpu, threads);

@@ -16,6 +16,7 @@
 #include "dgps/cpu/kernels.hpp"
 #include "dgps/detail/parallel.hpp"
 #include "isa.hpp"
+#include "pool.hpp"
 
 namespace dgps::cpu::kernels {
 
@@ -149,6 +150,26 @@ const char* chunkwise_forward(const KernelParams& params) {
   return impl_name("chunkwise", isa.name);
 }
 
+const char* chunkwise_backward(const KernelParams& p) {
+  const IsaKernels isa = select();
+  // One task per (sequence, key head) group: the group's value heads add into the same q/k
+  // gradients (GVA), so each group sums them itself, in a fixed order.
+  const int64_t tasks = p.N * p.H;
+  std::vector<double> dc(size_t(std::max<int64_t>(tasks, 0)), 0.0);
+  run_tasks(tasks, p.threads, false, [&](int64_t task) { isa.backward_task(p, task, &dc[size_t(task)]); });
+  if (p.dcenter.data) {
+    for (int64_t h = 0; h < p.H; ++h) {
+      double s = 0;
+      for (int64_t n = 0; n < p.N; ++n) s += dc[size_t(n * p.H + h)];
+      if (p.dtype == DType::f64)
+        static_cast<double*>(p.dcenter.data)[h * p.dcenter.stride[0]] = s;
+      else
+        static_cast<float*>(p.dcenter.data)[h * p.dcenter.stride[0]] = float(s);
+    }
+  }
+  return impl_name("chunkwise", isa.name);
+}
+
 const char* decode(const KernelParams& p) {
   const IsaKernels isa = select();
   // One task per (sequence, key head) group: the group's value heads share the preconditioner
@@ -156,8 +177,19 @@ const char* decode(const KernelParams& p) {
   const int64_t tasks = p.N * p.H;
   // Below ~200 kFLOP of state work per call waking a second thread costs more than it saves.
   const int64_t work = tasks * (p.HV / p.H) * p.K * p.V * (p.T > 0 ? p.T : 1);
-  const int threads = work < (int64_t(1) << 15) ? 1 : p.threads;
-  run_tasks(tasks, threads, true, [&](int64_t task) { isa.decode_task(p, task); });
+  const int want = work < (int64_t(1) << 15) ? 1 : p.threads > 0 ? p.threads : dgps::detail::hardware_threads();
+  // A persistent, briefly spinning pool with a static partition (pool.hpp): TBB or fresh threads
+  // cost more to wake than a B = 1 step takes. A concurrent caller finding it busy runs serially.
+  struct Ctx {
+    const IsaKernels* isa;
+    const KernelParams* p;
+  } ctx{&isa, &p};
+  const auto body = [](void* c, int64_t task) {
+    const Ctx* x = static_cast<const Ctx*>(c);
+    x->isa->decode_task(*x->p, task);
+  };
+  if (want <= 1 || tasks <= 1 || !SpinPool::instance().run(tasks, want, body, &ctx))
+    for (int64_t task = 0; task < tasks; ++task) isa.decode_task(p, task);
   return impl_name("decode", isa.name);
 }
 

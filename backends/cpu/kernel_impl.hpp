@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "isa.hpp"
 
@@ -131,10 +132,19 @@ template <class T>
 void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
   if constexpr (sizeof(T) == 4) {
     constexpr int L = Vec<float>::L;
+    // One check for the whole row first (the usual case: every A + eps normal), in vector lanes;
+    // a NaN fails the comparison and sends the row to the per-vector checks.
+    VI ok = VI{} - 1;
+    for (int64_t i = 0; i < n; i += L) ok &= vload(a + i) + eps >= vsplat(1.17549435e-38f);
+    bool all_normal = true;
+    for (int l = 0; l < L; ++l) all_normal = all_normal && ok[l] != 0;
     for (int64_t i = 0; i < n; i += L) {
       const VF ae = vload(a + i) + eps;
-      bool normal = true;
-      for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
+      bool normal = all_normal;
+      if (!normal) {
+        normal = true;
+        for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
+      }
       if (normal) {
         const VF r = log_v(ae) - center;
         const VF ar = r < vsplat(0.0f) ? -r : r;
@@ -217,6 +227,146 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
+/// Like Scratch, but with 16 KB of inline (stack) storage used when the block fits: a one-token
+/// decode task takes a microsecond or two, and an allocation per task showed in its profile.
+template <class T>
+struct SmallScratch {
+  alignas(64) unsigned char local[16384];
+  void* heap = nullptr;
+  T* base = nullptr;
+  explicit SmallScratch(int64_t n) {
+    const size_t bytes = size_t(round_up(n * int64_t(sizeof(T)), 64));
+    if (bytes <= sizeof(local)) {
+      base = reinterpret_cast<T*>(local);
+    } else {
+      heap = std::aligned_alloc(64, bytes);
+      base = static_cast<T*>(heap);
+    }
+    if (base) std::memset(static_cast<void*>(base), 0, bytes);
+  }
+  ~SmallScratch() { std::free(heap); }
+  SmallScratch(const SmallScratch&) = delete;
+  SmallScratch& operator=(const SmallScratch&) = delete;
+};
+
+// ---------------------------------------------------------------------------------------------
+// bf16 / f16 inputs and outputs (DType::bf16, DType::f16): converted to float at load and rounded
+// (to nearest even) at store; states and computation stay float. Own copies of the conversions
+// (not dgps/types.hpp's inline functions) so that no ISA's code is shared through the linker.
+
+/// Bit patterns of a bfloat16 / IEEE half input (layout-compatible with dgps::bf16 / dgps::f16).
+struct Bf16Bits {
+  uint16_t bits;
+};
+struct F16Bits {
+  uint16_t bits;
+};
+template <class In>
+inline constexpr bool kHalf = std::is_same_v<In, Bf16Bits> || std::is_same_v<In, F16Bits>;
+
+typedef uint32_t VU __attribute__((vector_size(kVecBytes)));
+typedef uint16_t VH __attribute__((vector_size(kVecBytes / 2)));
+typedef uint16_t VHu __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
+
+/// L halves (bit patterns widened to 32 bits) to L floats.
+inline VF half_to_float_v(VU h, bool bf) {
+  if (bf) return (VF)(h << 16);
+  const VU sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  const VU normal = ((e + 112u) << 23) | (m << 13);
+  const VU infnan = 0x7f800000u | (m << 13);
+  const VU sub = (VU)(__builtin_convertvector((VI)m, VF) * 0x1p-24f);
+  const VU r = e == 0u ? sub : (e == 0x1fu ? infnan : normal);
+  return (VF)(r | sign);
+}
+
+/// L floats to L halves (bit patterns in 32-bit lanes), round to nearest even.
+inline VU float_to_half_v(VF x, bool bf) {
+  const VU u = (VU)x;
+  const VU a = u & 0x7fffffffu;
+  if (bf) {
+    const VU r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return a > 0x7f800000u ? ((u >> 16) | 0x40u) : r;
+  }
+  const VU sign = (u >> 16) & 0x8000u;
+  const VU rn = a - 0x38000000u;
+  const VU normal = (rn + 0xfffu + ((rn >> 13) & 1u)) >> 13;
+  // Below 2^-14: adding 0.5 leaves a float whose last mantissa bit is worth 2^-24 (a half's
+  // subnormal step), so the FPU's round-to-nearest-even does the rounding.
+  const VU sub = (VU)((VF)a + 0.5f) - 0x3f000000u;
+  VU r = a < 0x38800000u ? sub : normal;
+  r = a >= 0x477ff000u ? VU{} + 0x7c00u : r;
+  r = a > 0x7f800000u ? (0x7e00u | ((a >> 13) & 0x3ffu)) : r;
+  return r | sign;
+}
+
+/// One input element as the compute type T.
+template <class T, class In>
+inline T to_c(In x) {
+  if constexpr (std::is_same_v<In, Bf16Bits>) {
+    uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else if constexpr (std::is_same_v<In, F16Bits>) {
+    const uint32_t h = x.bits, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f) {
+      u = sign | 0x7f800000u | (m << 13);
+    } else if (e == 0) {
+      const float sub = float(m) * 0x1p-24f;
+      std::memcpy(&u, &sub, 4);
+      u |= sign;
+    } else {
+      u = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return T(x);
+  }
+}
+
+/// dst[i] = src[i] converted to T, i < n.
+template <class T, class In>
+inline void load_cvt(const In* src, int64_t n, T* dst) {
+  if constexpr (std::is_same_v<In, T>) {
+    std::memcpy(dst, src, size_t(n) * sizeof(T));
+  } else {
+    static_assert(std::is_same_v<T, float> && kHalf<In>, "half inputs are computed in float");
+    constexpr int L = Vec<float>::L;
+    constexpr bool bf = std::is_same_v<In, Bf16Bits>;
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+      const VH h = *reinterpret_cast<const VHu*>(src + i);
+      vstore(dst + i, half_to_float_v(__builtin_convertvector(h, VU), bf));
+    }
+    for (; i < n; ++i) dst[i] = to_c<T>(src[i]);
+  }
+}
+
+/// dst[i] = src[i] rounded to the output type Out, i < n.
+template <class Out, class T>
+inline void store_cvt(const T* src, int64_t n, Out* dst) {
+  if constexpr (std::is_same_v<Out, T>) {
+    std::memcpy(dst, src, size_t(n) * sizeof(T));
+  } else {
+    static_assert(std::is_same_v<T, float> && kHalf<Out>, "half outputs are computed in float");
+    constexpr int L = Vec<float>::L;
+    constexpr bool bf = std::is_same_v<Out, Bf16Bits>;
+    int64_t i = 0;
+    for (; i + L <= n; i += L)
+      *reinterpret_cast<VHu*>(dst + i) = __builtin_convertvector(float_to_half_v(vload(src + i), bf), VH);
+    if (i < n) {
+      // Tail: through one padded vector (at most L - 1 elements).
+      alignas(64) float in[Vec<float>::L] = {};
+      for (int64_t j = i; j < n; ++j) in[j - i] = src[j];
+      const VU r = float_to_half_v(vload(in), bf);
+      for (int64_t j = i; j < n; ++j) dst[j].bits = uint16_t(r[j - i]);
+    }
+  }
+}
+
 template <class T>
 inline const T* cptr(const KView& v) {
   return static_cast<const T*>(v.data);
@@ -228,8 +378,14 @@ inline T* mptr(const KView& v) {
 
 /// Loads one q/k row, L2-normalised (SPEC §1: x / sqrt(sum x^2 + 1e-6)) when `norm`, times `mul`.
 /// The sum of squares is accumulated in vector lanes (a tree order, not the sequential one).
-template <class T>
-inline void load_row(const T* x, int64_t K, bool norm, T mul, T* out) {
+/// A bf16/f16 row is converted to float into `out` first.
+template <class T, class In>
+inline void load_row(const In* xin, int64_t K, bool norm, T mul, T* out) {
+  if constexpr (!std::is_same_v<In, T>) {
+    load_cvt(xin, K, out);
+    return load_row<T, T>(out, K, norm, mul, out);
+  }
+  const T* x = reinterpret_cast<const T*>(xin);
   constexpr int L = Vec<T>::L;
   T rstd = 1;
   if (norm) {
@@ -252,6 +408,24 @@ inline void load_row(const T* x, int64_t K, bool norm, T mul, T* out) {
   }
   const T f = rstd * mul;
   for (int64_t i = 0; i < K; ++i) out[i] = x[i] * f;
+}
+
+/// sum_i a[i] b[i] for i < n (n a multiple of the vector length), in vector lanes: a scalar loop is
+/// one dependent add per element (no reassociation without -ffast-math).
+template <class T>
+inline T dot_padded(const T* a, const T* b, int64_t n) {
+  constexpr int L = Vec<T>::L;
+  typename Vec<T>::type acc0{}, acc1{};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    acc0 += vload(a + i) * vload(b + i);
+    acc1 += vload(a + i + L) * vload(b + i + L);
+  }
+  for (; i < n; i += L) acc0 += vload(a + i) * vload(b + i);
+  acc0 += acc1;
+  T s = 0;
+  for (int l = 0; l < L; ++l) s += acc0[l];
+  return s;
 }
 
 /// Prefetches `bytes` bytes starting at `p` into the cache hierarchy (a hint; never faults).
@@ -289,8 +463,10 @@ void lower_solve(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ld
   }
 }
 
-/// The per-call constants shared by the kernels.
-template <class T>
+/// The per-call constants shared by the kernels. `In` is the storage type of the inputs and of `o`
+/// (T, or Bf16Bits / F16Bits with T = float); states are T. The row accessors return `In` pointers
+/// (convert with load_cvt / to_c), the scalar accessors convert to T.
+template <class T, class In = T>
 struct Setup {
   const KernelParams& p;
   int64_t K, V, r, Kp, Vp;
@@ -305,32 +481,33 @@ struct Setup {
         gain(pp.spec.gain == gain::Kind::scalar), decay(pp.spec.decay), scale(T(pp.scale)), log_x(T(std::log(pp.x))),
         eps(T(pp.eps)) {}
 
-  const T* qrow(int64_t b, int64_t t, int64_t h) const {
-    return cptr<T>(p.q) + b * p.q.stride[0] + t * p.q.stride[1] + h * p.q.stride[2];
+  const In* qrow(int64_t b, int64_t t, int64_t h) const {
+    return cptr<In>(p.q) + b * p.q.stride[0] + t * p.q.stride[1] + h * p.q.stride[2];
   }
-  const T* krow(int64_t b, int64_t t, int64_t h) const {
-    return cptr<T>(p.k) + b * p.k.stride[0] + t * p.k.stride[1] + h * p.k.stride[2];
+  const In* krow(int64_t b, int64_t t, int64_t h) const {
+    return cptr<In>(p.k) + b * p.k.stride[0] + t * p.k.stride[1] + h * p.k.stride[2];
   }
-  const T* vrow(int64_t b, int64_t t, int64_t hv) const {
-    return cptr<T>(p.v) + b * p.v.stride[0] + t * p.v.stride[1] + hv * p.v.stride[2];
+  const In* vrow(int64_t b, int64_t t, int64_t hv) const {
+    return cptr<In>(p.v) + b * p.v.stride[0] + t * p.v.stride[1] + hv * p.v.stride[2];
   }
-  T* orow(int64_t b, int64_t t, int64_t hv) const {
-    return mptr<T>(p.o) + b * p.o.stride[0] + t * p.o.stride[1] + hv * p.o.stride[2];
+  In* orow(int64_t b, int64_t t, int64_t hv) const {
+    return mptr<In>(p.o) + b * p.o.stride[0] + t * p.o.stride[1] + hv * p.o.stride[2];
   }
   /// The gate of token t: one value (scalar decay) or K values (diagonal decay).
-  const T* grow(int64_t b, int64_t t, int64_t hv) const {
-    return cptr<T>(p.g) + b * p.g.stride[0] + t * p.g.stride[1] + hv * p.g.stride[2];
+  const In* grow(int64_t b, int64_t t, int64_t hv) const {
+    return cptr<In>(p.g) + b * p.g.stride[0] + t * p.g.stride[1] + hv * p.g.stride[2];
   }
   T beta(int64_t b, int64_t t, int64_t hv) const {
-    return gain ? cptr<T>(p.beta)[b * p.beta.stride[0] + t * p.beta.stride[1] + hv * p.beta.stride[2]] : T(1);
+    return gain ? to_c<T>(cptr<In>(p.beta)[b * p.beta.stride[0] + t * p.beta.stride[1] + hv * p.beta.stride[2]])
+                : T(1);
   }
   T gp(int64_t b, int64_t t, int64_t h) const {
-    return cptr<T>(p.g_p)[b * p.g_p.stride[0] + t * p.g_p.stride[1] + h * p.g_p.stride[2]];
+    return to_c<T>(cptr<In>(p.g_p)[b * p.g_p.stride[0] + t * p.g_p.stride[1] + h * p.g_p.stride[2]]);
   }
   T bp(int64_t b, int64_t t, int64_t h) const {
-    return cptr<T>(p.beta_p)[b * p.beta_p.stride[0] + t * p.beta_p.stride[1] + h * p.beta_p.stride[2]];
+    return to_c<T>(cptr<In>(p.beta_p)[b * p.beta_p.stride[0] + t * p.beta_p.stride[1] + h * p.beta_p.stride[2]]);
   }
-  T center(int64_t h) const { return cptr<T>(p.center)[h * p.center.stride[0]]; }
+  T center(int64_t h) const { return to_c<T>(cptr<In>(p.center)[h * p.center.stride[0]]); }
   T* state(const KView& s, int64_t si, int64_t hv) const {
     return mptr<T>(s) + si * s.stride[0] + hv * s.stride[1];
   }
@@ -342,9 +519,9 @@ struct Setup {
 /// Sub-block rows of the diagonal-decay intra-chunk matrices (a multiple of every vector length).
 constexpr int64_t kSub = 16;
 
-template <class T>
+template <class T, class In = T>
 void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
-  const Setup<T> s(p);
+  const Setup<T, In> s(p);
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   // The recurrence never mixes value columns: with fewer (sequence, head) pairs than threads the
@@ -405,20 +582,20 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       // Prefetch row i of the next chunk (spread over this loop so the requests never pile up):
       // it arrives while this chunk's products run.
       if (cs + c + i < len) {
-        prefetch(s.qrow(b, t + c, h), K * int64_t(sizeof(T)));
-        prefetch(s.krow(b, t + c, h), K * int64_t(sizeof(T)));
-        prefetch(s.vrow(b, t + c, hv) + v0, Vd * int64_t(sizeof(T)));
-        if (diag) prefetch(s.grow(b, t + c, hv), K * int64_t(sizeof(T)));
+        prefetch(s.qrow(b, t + c, h), K * int64_t(sizeof(In)));
+        prefetch(s.krow(b, t + c, h), K * int64_t(sizeof(In)));
+        prefetch(s.vrow(b, t + c, hv) + v0, Vd * int64_t(sizeof(In)));
+        if (diag) prefetch(s.grow(b, t + c, hv), K * int64_t(sizeof(In)));
       }
       load_row(s.qrow(b, t, h), K, p.l2norm, s.scale, Qr + i * Kp);
       load_row(s.krow(b, t, h), K, p.l2norm, T(1), Kn + i * Kp);
-      std::memcpy(Vb + i * Vp, s.vrow(b, t, hv) + v0, size_t(Vd) * sizeof(T));
+      load_cvt(s.vrow(b, t, hv) + v0, Vd, Vb + i * Vp);
       Bt[i] = s.beta(b, t, hv);
       if (s.decay == decay::Kind::scalar) {
-        Gam[i] = s.grow(b, t, hv)[0] + (i ? Gam[i - 1] : T(0));
+        Gam[i] = to_c<T>(s.grow(b, t, hv)[0]) + (i ? Gam[i - 1] : T(0));
       } else if (diag) {
-        const T* g = s.grow(b, t, hv);
-        for (int64_t ch = 0; ch < K; ++ch) Gam[i * Kp + ch] = g[ch] + (i ? Gam[(i - 1) * Kp + ch] : T(0));
+        const In* g = s.grow(b, t, hv);
+        for (int64_t ch = 0; ch < K; ++ch) Gam[i * Kp + ch] = to_c<T>(g[ch]) + (i ? Gam[(i - 1) * Kp + ch] : T(0));
       }
     }
     if (!diag && s.decay != decay::Kind::scalar)
@@ -570,8 +747,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
     // 8. O = Qd S_in + (Aqk ⊙ causal) R.
     T* Og = G + c * Vp;
     gemm(c, Vp, c, Aqk, Cp, R, Vp, Og, Vp, true, Tri::a_lower);
-    for (int64_t i = 0; i < c; ++i)
-      std::memcpy(s.orow(b, t0 + cs + i, hv) + v0, Og + i * Vp, size_t(Vd) * sizeof(T));
+    for (int64_t i = 0; i < c; ++i) store_cvt(Og + i * Vp, Vd, s.orow(b, t0 + cs + i, hv) + v0);
     // 9. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
     if (diag) {
       for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gl[ch];
@@ -632,18 +808,24 @@ inline void write_block(T* S, int64_t ds, int64_t K, const T* f, const T* w, con
     uu[v] = vload(u + v * L);
     r1[v] = r2[v] = V{};
   }
-  for (int64_t c = 0; c < K; ++c) {
-    T* row = S + c * ds;
-    const T fc = f[c], wc = w[c];
-    if (a1) {
-      const T x1 = a1[c], x2 = a2[c];
+  if (a1) {
+    for (int64_t c = 0; c < K; ++c) {
+      T* row = S + c * ds;
+      const T fc = f[c], wc = w[c], x1 = a1[c], x2 = a2[c];
       for (int v = 0; v < NB; ++v) {
         const V x = fc * vload(row + v * L) + wc * uu[v];
         vstore(row + v * L, x);
         r1[v] += x1 * x;
         r2[v] += x2 * x;
       }
-    } else {
+    }
+  } else {
+    // Last rows first: the read sweep just left them in L1, while its first rows may have been
+    // evicted (with 512-byte rows a 128-row block puts 16 lines in each cache set it uses, more
+    // than L1's ways). Elementwise, so the order changes no result.
+    for (int64_t c = K - 1; c >= 0; --c) {
+      T* row = S + c * ds;
+      const T fc = f[c], wc = w[c];
       for (int v = 0; v < NB; ++v) vstore(row + v * L, fc * vload(row + v * L) + wc * uu[v]);
     }
   }
@@ -709,9 +891,9 @@ void write2(T* S, int64_t ds, int64_t K, int64_t e0, int64_t e1, const T* f, con
 // written once (decay and rank-1 write together); the read of token t+1 is fused into the write of
 // token t, so T tokens cost T + 1 sweeps over the state. o_t = S̄^T qr + b (kw . qr) u.
 
-template <class T>
+template <class T, class In = T>
 void decode_task_t(const KernelParams& p, int64_t task) {
-  const Setup<T> s(p);
+  const Setup<T, In> s(p);
   const int64_t n = task / p.H, h = task % p.H;
   const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
   const int64_t K = s.K, Vd = s.V, Kp = s.Kp, Vp = s.Vp, r = s.r;
@@ -722,7 +904,10 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   const int64_t PS = exact ? K * K : Kp;
   // Per token: qn, kn, qr, kw (K each), then per value head: fac (K), the two read coefficients (K each).
   const int64_t per_tok = 4 * Kp, per_head = 3 * Kp;
-  Scratch<T> mem(PS + 4 * Kp + Tn * per_tok + Tn * r * per_head + 3 * Vp + Tn * r + Tn);
+  // bf16/f16: the value rows converted to float (Tn * r rows) and one output row staged for rounding.
+  constexpr bool half = !std::is_same_v<In, T>;
+  const int64_t nvc = half ? Tn * r * Vp + Vp : 0;
+  SmallScratch<T> mem(PS + 4 * Kp + Tn * per_tok + Tn * r * per_head + 3 * Vp + Tn * r + Tn + nvc);
   T* Pst = mem.base;
   T* work = Pst + PS;
   T* tokv = work + 4 * Kp;
@@ -732,6 +917,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   T* u = y2 + Vp;
   T* bet = u + Vp;
   T* kqv = bet + Tn * r;  // kw . qr of each token
+  T* vcv = kqv + Tn;       // half inputs: v rows as float, then the staged o row
+  T* ocv = vcv + Tn * r * Vp;
 
   // Preconditioner state (diagonal A or inverse Gram P), from a0 or the default (A = 0, P = I / lambda).
   if (s.diag_pre) {
@@ -799,21 +986,20 @@ void decode_task_t(const KernelParams& p, int64_t task) {
         dst[i] = acc;
       }
     }
-    T kq = 0;
-    for (int64_t c = 0; c < K; ++c) kq += kw[c] * qr[c];
-    kqv[t] = kq;
+    kqv[t] = dot_padded(kw, qr, Kp);
     for (int64_t j = 0; j < r; ++j) {
       const int64_t hvj = h * r + j;
       T* fac = headv + (t * r + j) * per_head;
       T* ck = fac + Kp;  // fac ⊙ kn: residual read coefficients
       T* cq = ck + Kp;   // fac ⊙ qr: readout coefficients
       if (s.decay == decay::Kind::diagonal) {
-        const T* g = s.grow(b, ti, hvj);
-        for (int64_t c = 0; c < K; ++c) fac[c] = std::exp(g[c]);
+        load_cvt(s.grow(b, ti, hvj), K, fac);
+        exp_inplace(fac, Kp);  // padding lanes become 1; they only meet zero padding of kn and qr
       } else {
-        const T f = s.decay == decay::Kind::scalar ? std::exp(s.grow(b, ti, hvj)[0]) : T(1);
+        const T f = s.decay == decay::Kind::scalar ? std::exp(to_c<T>(s.grow(b, ti, hvj)[0])) : T(1);
         for (int64_t c = 0; c < K; ++c) fac[c] = f;
       }
+      if constexpr (half) load_cvt(s.vrow(b, ti, hvj), Vd, vcv + (t * r + j) * Vp);
       for (int64_t c = 0; c < K; ++c) {
         ck[c] = fac[c] * kn[c];
         cq[c] = fac[c] * qr[c];
@@ -842,11 +1028,20 @@ void decode_task_t(const KernelParams& p, int64_t task) {
         const T* kw = qr + Kp;
         const T* fac = headv + (t * r + j) * per_head;
         const T bt = bet[t * r + j];
-        const T* v = s.vrow(b, ti, hvj);
+        const T* v;
+        if constexpr (half)
+          v = vcv + (t * r + j) * Vp;
+        else
+          v = s.vrow(b, ti, hvj);
         for (int64_t e = e0; e < e1; ++e) u[e] = bt * (v[e] - (s.online ? y1[e] : T(0)));
         const T kq = kqv[t];
-        T* o = s.orow(b, ti, hvj);
-        for (int64_t e = e0; e < e1; ++e) o[e] = y2[e] + kq * u[e];
+        if constexpr (half) {
+          for (int64_t e = e0; e < e1; ++e) ocv[e] = y2[e] + kq * u[e];
+          store_cvt(ocv + e0, e1 - e0, s.orow(b, ti, hvj) + e0);
+        } else {
+          T* o = s.orow(b, ti, hvj);
+          for (int64_t e = e0; e < e1; ++e) o[e] = y2[e] + kq * u[e];
+        }
         // Write sweep S_t = Diag(fac) S + kw u^T, fused with the read sweep of token t + 1.
         const T* nf = t + 1 < Tn ? headv + ((t + 1) * r + j) * per_head : nullptr;
         write2(S, ds, K, e0, e1, fac, kw, u, nf ? nf + Kp : nullptr, nf ? nf + 2 * Kp : nullptr, y1, y2);
@@ -866,24 +1061,34 @@ void decode_task_t(const KernelParams& p, int64_t task) {
 }
 
 void chunk_task(const KernelParams& p, int64_t task, int64_t vsplit) {
-  if (p.dtype == DType::f64)
-    chunk_task_t<double>(p, task, vsplit);
-  else
-    chunk_task_t<float>(p, task, vsplit);
+  switch (p.dtype) {
+    case DType::f64: return chunk_task_t<double>(p, task, vsplit);
+    case DType::bf16: return chunk_task_t<float, Bf16Bits>(p, task, vsplit);
+    case DType::f16: return chunk_task_t<float, F16Bits>(p, task, vsplit);
+    default: return chunk_task_t<float>(p, task, vsplit);
+  }
 }
 
 void decode_task(const KernelParams& p, int64_t task) {
-  if (p.dtype == DType::f64)
-    decode_task_t<double>(p, task);
-  else
-    decode_task_t<float>(p, task);
+  switch (p.dtype) {
+    case DType::f64: return decode_task_t<double>(p, task);
+    case DType::bf16: return decode_task_t<float, Bf16Bits>(p, task);
+    case DType::f16: return decode_task_t<float, F16Bits>(p, task);
+    default: return decode_task_t<float>(p, task);
+  }
 }
 
 #define DGPS_STR2(x) #x
 #define DGPS_STR(x) DGPS_STR2(x)
 
 }  // namespace
+}  // namespace dgps::cpu::kernels::DGPS_ISA_NS
 
-IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task}; }
+// The chunkwise backward (SPEC §4, App. D) reuses the primitives above (same anonymous namespace).
+#include "backward_impl.hpp"
+
+namespace dgps::cpu::kernels::DGPS_ISA_NS {
+
+IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task, &backward_task}; }
 
 }  // namespace dgps::cpu::kernels::DGPS_ISA_NS

@@ -98,8 +98,10 @@ void emit(const Row& r) {
 }
 
 /// Median time in ms of `f` over `reps` runs after `warm` warm-up runs, each timed with events.
+int g_warm = 5, g_reps = 30;
+
 template <class F>
-double median_ms(F&& f, int warm = 5, int reps = 30) {
+double median_ms(F&& f, int warm = g_warm, int reps = g_reps) {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
   std::vector<float> t;
@@ -165,10 +167,12 @@ void setup(Problem& pr, const char* model, int64_t B, int64_t T, int64_t H, int6
   p.o = Tensor::contiguous(pr.make(size_t(B * T * HV * V) * 2).p, T, HV, V);
 }
 
-void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V) {
+void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V,
+                   dgps::Algorithm alg = dgps::Algorithm::automatic) {
   Problem pr;
   setup(pr, model, B, T, H, H, K, V, 1);
   auto& p = pr.p;
+  p.algorithm = alg;
   p.hT = dgps::cuda::Tensor::contiguous(pr.make(size_t(B * H * K * V) * 4).p, H, K, V);
   const bool prec = p.spec.precond != dgps::precond::Kind::identity;
   if (prec) p.aT = dgps::cuda::Tensor::contiguous(pr.make(size_t(B * H * K) * 4).p, H, K, 1);
@@ -176,8 +180,9 @@ void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K
   const char* impl = "";
   const double ms = median_ms([&] { impl = dgps::cuda::forward(p, ws, nullptr); });
   const double bytes = pr.in_bytes + 2.0 * B * T * H * V + 4.0 * B * H * K * V + (prec ? 4.0 * B * H * K : 0);
-  emit({model, "fwd_B" + std::to_string(B) + "_T" + std::to_string(T) + "_H" + std::to_string(H), B, T, H, H, K, V, ms,
-        bytes, 6.0 * K * V * H * B * T, impl});
+  const std::string suffix = alg == dgps::Algorithm::recurrent ? "_recurrent" : "";
+  emit({model, "fwd_B" + std::to_string(B) + "_T" + std::to_string(T) + "_H" + std::to_string(H) + suffix, B, T, H, H,
+        K, V, ms, bytes, 6.0 * K * V * H * B * T, impl});
 }
 
 void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, bool graph) {
@@ -240,10 +245,12 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   ck(cudaGetDeviceProperties(&prop, 0), "properties");
-  if (argc > 1 && std::string(argv[1]) == "--profile") {  // one run of each kernel, for ncu
+  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward, for ncu
     g_copy_gbps = 1;
-    bench_decode("gdn", 256, 16, 32, 128, 128, false);
-    bench_forward("gdn", 8, 2048, 16, 128, 128);
+    g_warm = 0, g_reps = 1;
+    const char* m = argc > 2 ? argv[2] : "gdn";
+    bench_forward(m, 8, 2048, 16, 128, 128);
+    bench_forward(m, 1, 32768, 16, 128, 128);
     return 0;
   }
   g_copy_gbps = copy_bandwidth();
@@ -251,11 +258,14 @@ int main(int argc, char** argv) {
               g_copy_gbps);
   std::printf("impl,model,case,B,T,H,HV,K,V,ms,tokens_per_s,tflops,gbps,copy_frac,variant\n");
   const std::string only = argc > 2 ? argv[2] : "";
-  for (const char* m : {"gdn", "pgdn", "pkda", "kda"}) {
+  for (const char* m : {"gdn", "pgdn", "pkda", "kda", "dn", "pdn", "mamba2", "pmamba2"}) {
     if (!only.empty() && only.find(m) == std::string::npos) continue;
     bench_forward(m, 8, 2048, 16, 128, 128);
     bench_forward(m, 1, 32768, 16, 128, 128);
     bench_forward(m, 4, 8192, 32, 128, 128);
+    // The recurrent kernels on the same inputs, side by side with the chunkwise ones.
+    if (dgps::cuda::supports(dgps::model_by_name(m), dgps::Algorithm::chunkwise))
+      bench_forward(m, 8, 2048, 16, 128, 128, dgps::Algorithm::recurrent);
   }
   for (const char* m : {"gdn", "pgdn"}) {
     bench_decode(m, 1, 16, 32, 128, 128, true);

@@ -1,5 +1,6 @@
 /// @brief dgps::cuda public entry points: availability, workspace, validation and kernel dispatch.
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "dgps/cuda.hpp"
+#include "chunk.cuh"
 #include "recurrent.cuh"
 
 namespace dgps::cuda {
@@ -33,7 +35,8 @@ void copy_strides(int64_t* dst, const Tensor& t) {
 void check(const Params& p, bool decode) {
   if (!supports(p.spec, p.algorithm))
     throw Error("cuda: no " + std::string(dgps::to_string(p.algorithm)) + " algorithm for " + dgps::to_string(p.spec) +
-                " (the CUDA backend runs the Identity and diagonal preconditioners, recurrent algorithm)");
+                " (the CUDA backend runs the Identity and diagonal preconditioners; chunkwise: decay none or "
+                "scalar)");
   require(p.B >= 1 && p.H >= 1 && p.HV >= 1 && p.T >= 0 && p.N >= 1, "sizes B, H, HV, N must be >= 1 and T >= 0");
   if (p.HV % p.H != 0)
     throw Error("cuda: v_heads (" + std::to_string(p.HV) + ") must be a multiple of heads (" + std::to_string(p.H) +
@@ -158,11 +161,67 @@ bool is_device_pointer(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
-const char* forward(const Params& p, Workspace&, void* stream) {
+namespace {
+
+/// Whether a forward call runs the chunkwise kernels: when asked to (they must cover the call), or
+/// automatically for 16-bit inputs (the tensor-core operands are 16-bit, so float32 inputs keep the
+/// float32 recurrent kernels' accuracy unless chunkwise is requested).
+bool use_chunkwise(const Params& p, const kernels::RecArgs& a) {
+  const bool covers = kernels::chunk_covers(a);
+  if (p.algorithm == Algorithm::chunkwise) {
+    if (!covers)
+      throw Error("cuda: the chunkwise kernels need key_dim <= " + std::to_string(kernels::kChunkKeys) +
+                  ", value_dim <= " + std::to_string(kernels::kChunkMaxV) + " and a GPU with at least " +
+                  std::to_string(kernels::layout::state_smem_bytes(16) / 1024) +
+                  " kB of shared memory per block; got K = " + std::to_string(p.K) + ", V = " + std::to_string(p.V) +
+                  ", " + std::to_string(kernels::chunk_max_smem() / 1024) + " kB");
+    return true;
+  }
+  return p.algorithm == Algorithm::automatic && covers && p.dtype != DType::f32 && !force_warp_kernel();
+}
+
+template <class Tin>
+cudaError_t launch_chunk_typed(const kernels::ChunkArgs& c, cudaStream_t s, const char** impl) {
+  return kernels::launch_chunkwise<Tin>(c, s, impl);
+}
+
+const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
+  kernels::ChunkArgs c;
+  c.a = a;
+  const int64_t per = (p.T + kernels::kChunk - 1) / kernels::kChunk;
+  c.chunks_per_seq = p.cu_seqlens ? 0 : per;
+  c.chunk_bound = p.cu_seqlens ? per + p.N : p.B * per;
+  c.Vpad = static_cast<int>((p.V + 63) / 64 * 64);
+  // 16-byte row loads: aligned base, every stride and the row length a multiple of 8 elements.
+  auto vec = [](const Tensor& t, int64_t d) {
+    return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
+           t.stride[2] % 8 == 0 && d % 8 == 0;
+  };
+  c.vec_qk = vec(p.q, p.K) && vec(p.k, p.K);
+  c.vec_v = vec(p.v, p.V);
+  void* base = ws.get(kernels::chunk_workspace(c, nullptr));
+  kernels::chunk_workspace(c, base);
+  const char* impl = "cuda/chunkwise";
+  cudaError_t e = cudaSuccess;
+  switch (p.dtype) {
+    case DType::f32: e = launch_chunk_typed<float>(c, s, &impl); break;
+    case DType::bf16: e = launch_chunk_typed<__nv_bfloat16>(c, s, &impl); break;
+    case DType::f16: e = launch_chunk_typed<__half>(c, s, &impl); break;
+  }
+  throw_on(e, "chunkwise kernel launch");
+  return impl;
+}
+
+}  // namespace
+
+const char* forward(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
   check(p, false);
   const kernels::RecArgs a = make_args(p);
-  return launch(a, p.dtype, static_cast<cudaStream_t>(stream), false);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // T = 0 has no chunks: the recurrent kernel copies h0/a0 to hT/aT.
+  if (p.T > 0 && use_chunkwise(p, a)) return launch_chunkwise(p, a, ws, s);
+  return launch(a, p.dtype, s, false);
 }
 
 const char* decode(const Params& p, Workspace& ws, void* stream) {

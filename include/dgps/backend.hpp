@@ -14,6 +14,16 @@
 #include "dgps/cuda.hpp"
 #endif
 
+/// The functions whose bodies depend on whether the including target links dgps::cuda live in an
+/// inline namespace named after that choice, so that a program mixing both kinds of translation
+/// units (an application linked with dgps::cuda and the precompiled dgps::dynamic, say) gets two
+/// distinct sets of symbols instead of an ODR violation. Callers never name it.
+#if defined(DGPS_HAS_CUDA)
+#define DGPS_CUDA_ABI with_cuda
+#else
+#define DGPS_CUDA_ABI without_cuda
+#endif
+
 namespace dgps {
 
 /// Parses "automatic", "reference", "cpu" or "cuda"; throws dgps::Error otherwise.
@@ -29,6 +39,8 @@ inline Algorithm algorithm_from_string(std::string_view s) {
     if (s == to_string(a)) return a;
   throw Error("unknown algorithm '" + std::string(s) + "' (expected automatic, recurrent or chunkwise)");
 }
+
+inline namespace DGPS_CUDA_ABI {
 
 /// True when this build has the CUDA backend (the program links dgps::cuda) and a usable GPU is present.
 inline bool cuda_available() {
@@ -48,7 +60,10 @@ inline std::vector<Backend> available_backends() {
   return out;
 }
 
+}  // inline namespace DGPS_CUDA_ABI
+
 namespace detail {
+inline namespace DGPS_CUDA_ABI {
 
 /// Resolves `automatic` (honouring DGPS_BACKEND) and checks that the backend is usable.
 inline Backend select_backend(Backend requested) {
@@ -64,6 +79,8 @@ inline Backend select_backend(Backend requested) {
   return b;
 }
 
+}  // inline namespace DGPS_CUDA_ABI
+
 /// Prints what ran when DGPS_VERBOSE=1.
 inline void report(const char* op, const RunInfo& info) {
   const char* env = std::getenv("DGPS_VERBOSE");
@@ -73,6 +90,8 @@ inline void report(const char* op, const RunInfo& info) {
 }
 
 }  // namespace detail
+
+inline namespace DGPS_CUDA_ABI {
 
 /// True when `backend` can run model R with `algorithm` in this build (before any call).
 template <class R>
@@ -89,4 +108,5 @@ bool supports(Backend backend, Algorithm algorithm = Algorithm::automatic) {
   }
 }
 
+}  // inline namespace DGPS_CUDA_ABI
 }  // namespace dgps

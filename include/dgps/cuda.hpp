@@ -62,7 +62,11 @@ struct Params {
   float x = 1.5f;                   ///< squash bound of the diagonal preconditioners
   float eps = 1e-6f;                ///< inside log(A + eps)
   bool l2norm = true;               ///< L2-normalise q and k per head (SPEC §1)
-  Algorithm algorithm = Algorithm::automatic;  ///< automatic or recurrent (no chunkwise CUDA kernel yet)
+  /// `automatic`: the chunkwise tensor-core kernels for bf16/f16 inputs where they cover the model
+  /// (decay None or Scalar, K, V <= 128), else the float32 recurrent kernels. `chunkwise` forces the
+  /// former (its products use 16-bit operands, so float32 inputs then see bf16-level rounding, about
+  /// 1e-2 relative); `recurrent` the latter.
+  Algorithm algorithm = Algorithm::automatic;
 };
 
 /// Device scratch memory owned by the caller and reused across calls: it grows when a call needs
@@ -93,17 +97,20 @@ bool available();
 bool is_device_pointer(const void* p);
 
 /// True when the CUDA backend implements model `spec` with `algorithm`: every decay, gain and solve
-/// with the Identity or diagonal preconditioners (not the exact ones), recurrent algorithm.
+/// with the Identity or diagonal preconditioners (not the exact ones) for the recurrent algorithm;
+/// the chunkwise algorithm (tensor cores, SPEC §4) for decay None or Scalar (K, V <= 128).
 constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::automatic) {
   const bool diag_or_identity = spec.precond == precond::Kind::identity ||
                                 spec.precond == precond::Kind::diagonal_atk ||
                                 spec.precond == precond::Kind::diagonal_atq;
+  if (algorithm == Algorithm::chunkwise) return diag_or_identity && spec.decay != decay::Kind::diagonal;
   return diag_or_identity && (algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent);
 }
 
 /// Forward pass (SPEC §2, §4) on `stream` (a cudaStream_t; null = the default stream). Writes `o`
 /// and, when given, `hT`/`aT`. Throws dgps::Error for a call it cannot run (nothing is launched
-/// then). Returns the name of the kernel that ran: "cuda/rowblock/v64" (block-row kernel, 64 value
+/// then). Returns the name of the kernel that ran: "cuda/chunkwise/v64" (or v32, v16: the chunkwise
+/// kernels, value columns per block of the state pass), "cuda/rowblock/v64" (block-row kernel, 64 value
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
 /// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
 const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);

@@ -22,18 +22,23 @@
 namespace dgps {
 
 namespace detail {
+inline namespace DGPS_CUDA_ABI {  // see dgps/backend.hpp
 template <class R>
 void check_supported(Backend b, Algorithm a) {
   if (!supports<R>(b, a))
     throw Error(std::string("backend '") + to_string(b) + "' has no " + to_string(a) + " algorithm for " +
                 to_string(spec_of<R>()));
 }
+}  // inline namespace DGPS_CUDA_ABI
 }  // namespace detail
+
+inline namespace DGPS_CUDA_ABI {  // forward, backward and decode branch on DGPS_HAS_CUDA
 
 /// Forward pass of model R (SPEC §2): writes `o` and, when requested, the final states `hT`, `aT`.
 ///
-/// T is float or double. Throws dgps::Error (and writes nothing) on any malformed input; see
-/// detail/check.hpp for the rules. Returns which implementation ran.
+/// T is float, double, dgps::bf16 or dgps::f16 (the last two with float32 states and compute).
+/// Throws dgps::Error (and writes nothing) on any malformed input; see detail/check.hpp for the
+/// rules. Returns which implementation ran.
 template <class R, class T>
 RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
@@ -57,7 +62,7 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
 
 /// Backward pass of model R: the gradients of `loss = sum(o*do) + sum(hT*dhT) + sum(aT*daT)` with
 /// respect to every input whose gradient view is given in `grads` (SPEC §3.8). The forward is
-/// recomputed from checkpoints every `opt.chunk_size` tokens (memory O(T / C * K * V) per head).
+/// recomputed chunk by chunk (`opt.chunk_size` tokens; memory O(T / C * K * V + T * (K + V)) per head).
 /// For the exact preconditioners `da0` is the raw gradient of the non-symmetric update as written
 /// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0.
 template <class R, class T>
@@ -70,10 +75,12 @@ RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& gra
   if (info.backend == Backend::reference) {
     reference::backward<R, T, double>(p, p.threads);
     info.impl = "reference/recurrent";
+    info.algorithm = Algorithm::recurrent;
   } else {
-    info.impl = cpu::backward<R, T>(p, opt.algorithm);
+    const cpu::Ran ran = cpu::backward<R, T>(p, opt.algorithm);
+    info.impl = ran.impl;
+    info.algorithm = ran.algorithm;
   }
-  info.algorithm = Algorithm::recurrent;
   detail::report("backward", info);
   return info;
 }
@@ -101,4 +108,5 @@ RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, std::type_i
   return info;
 }
 
+}  // inline namespace DGPS_CUDA_ABI
 }  // namespace dgps

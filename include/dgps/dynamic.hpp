@@ -2,7 +2,9 @@
 ///
 /// `dgps::forward<Model>` needs the model at compile time. Tools, bindings and configuration-driven
 /// code pick it at run time instead; the compiled library dgps::dynamic holds every one of the 60
-/// policy combinations (generated from cmake/dgps_combinations.cmake) for float and double.
+/// policy combinations (generated from cmake/dgps_combinations.cmake) for float and double only:
+/// bf16 / f16 inputs need the compile-time `dgps::forward<Model>` (instantiating them here too would
+/// double a long build).
 #pragma once
 
 #include <type_traits>

@@ -1,9 +1,11 @@
 /// @brief Public value types of the API: Shape, Options, Backend, Algorithm, Inputs/Outputs/Grads views.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "dgps/tensor.hpp"
 
@@ -26,7 +28,116 @@ inline const char* to_string(Algorithm a) {
   return n[int(a)];
 }
 
-/// The state type kept for inputs of type T: double for double, float otherwise (SPEC §5).
+namespace detail {
+
+/// float -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN of the same sign.
+constexpr uint16_t float_to_bf16_bits(float f) noexcept {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// float -> IEEE binary16 bits, round to nearest even, with subnormals, overflow to infinity and
+/// NaN kept a (quiet) NaN.
+constexpr uint16_t float_to_f16_bits(float f) noexcept {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 (and inf): infinity
+  if (a >= 0x38800000u) {                                                  // a normal half (>= 2^-14)
+    const uint32_t r = a - 0x38000000u;                                    // rebias the exponent (127 -> 15)
+    return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+  }
+  const uint32_t e = a >> 23;
+  if (e < 102) return static_cast<uint16_t>(sign);  // below 2^-25: rounds to zero
+  // Subnormal half: round(value / 2^-24) = round(mantissa * 2^(e - 126)), e in [102, 112].
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u, s = 126 - e;
+  uint32_t q = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+/// IEEE binary16 bits -> float (exact).
+constexpr float f16_bits_to_float(uint16_t h) noexcept {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return std::bit_cast<float>(sign | std::bit_cast<uint32_t>(float(m) * 0x1p-24f));
+  return std::bit_cast<float>(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/// double -> float rounded to odd (truncate, then set the last bit when inexact). Rounding that
+/// result to bfloat16 or half (13+ bits shorter) equals rounding the double directly: no double rounding.
+constexpr float round_to_odd_float(double d) noexcept {
+  if (!(d == d) || d - d != 0) return static_cast<float>(d);  // NaN, infinity
+  const float f = static_cast<float>(d);
+  if (double(f) == d) return f;
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((d < 0 ? -double(f) : double(f)) > (d < 0 ? -d : d)) --u;  // rounded away from zero: step back
+  return std::bit_cast<float>(u | 1u);
+}
+
+}  // namespace detail
+
+/// bfloat16 storage type for inputs and outputs (1 sign, 8 exponent, 7 mantissa bits): a trivial
+/// 16-bit struct with explicit conversions; computation is in float (SPEC §5). Conversion from
+/// float or double rounds to nearest even; NaN and infinities are kept.
+struct bf16 {
+  uint16_t bits;  ///< the raw bit pattern
+  bf16() = default;
+  /// Rounds `f` to nearest even.
+  explicit constexpr bf16(float f) noexcept : bits(detail::float_to_bf16_bits(f)) {}
+  /// Rounds `d` to nearest even (correctly: no double rounding through float).
+  explicit constexpr bf16(double d) noexcept : bits(detail::float_to_bf16_bits(detail::round_to_odd_float(d))) {}
+  /// Converts an integer (through double).
+  template <class I>
+    requires std::is_integral_v<I>
+  explicit constexpr bf16(I i) noexcept : bf16(double(i)) {}
+  /// The exact float value.
+  explicit constexpr operator float() const noexcept { return std::bit_cast<float>(uint32_t(bits) << 16); }
+  /// The exact double value.
+  explicit constexpr operator double() const noexcept { return double(float(*this)); }
+  /// The value with the bit pattern `b`.
+  static constexpr bf16 from_bits(uint16_t b) noexcept {
+    bf16 x{};
+    x.bits = b;
+    return x;
+  }
+};
+
+/// IEEE 754 binary16 ("half") storage type for inputs and outputs (1 sign, 5 exponent, 10 mantissa
+/// bits, subnormals below 2^-14, largest finite 65504): a trivial 16-bit struct with explicit
+/// conversions; computation is in float (SPEC §5). Conversion rounds to nearest even, overflows to
+/// infinity and keeps NaN.
+struct f16 {
+  uint16_t bits;  ///< the raw bit pattern
+  f16() = default;
+  /// Rounds `f` to nearest even.
+  explicit constexpr f16(float f) noexcept : bits(detail::float_to_f16_bits(f)) {}
+  /// Rounds `d` to nearest even (correctly: no double rounding through float).
+  explicit constexpr f16(double d) noexcept : bits(detail::float_to_f16_bits(detail::round_to_odd_float(d))) {}
+  /// Converts an integer (through double).
+  template <class I>
+    requires std::is_integral_v<I>
+  explicit constexpr f16(I i) noexcept : f16(double(i)) {}
+  /// The exact float value.
+  explicit constexpr operator float() const noexcept { return detail::f16_bits_to_float(bits); }
+  /// The exact double value.
+  explicit constexpr operator double() const noexcept { return double(float(*this)); }
+  /// The value with the bit pattern `b`.
+  static constexpr f16 from_bits(uint16_t b) noexcept {
+    f16 x{};
+    x.bits = b;
+    return x;
+  }
+};
+
+/// True for the 16-bit storage types bf16 and f16 (float compute, float states).
+template <class T>
+inline constexpr bool is_half_v = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+/// The state type kept for inputs of type T: double for double, float otherwise (float for
+/// float, bf16 and f16; SPEC §5).
 template <class T>
 using state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 

@@ -140,6 +140,9 @@ dgps::cuda::Tensor contiguous4(const DevBuf& b, int64_t d1, int64_t d2, int64_t 
   return b.p ? dgps::cuda::Tensor::contiguous(b.p, d1, d2, d3) : dgps::cuda::Tensor{};
 }
 
+/// The algorithm the GPU runs in gpu_forward (tests switch it per section).
+dgps::Algorithm g_alg = dgps::Algorithm::automatic;
+
 /// Runs the case on the GPU with input type d and gate type gd; outputs poisoned with NaN first.
 Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl) {
   const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads,
@@ -185,6 +188,7 @@ Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, 
   p.x = float(c.opt.x);
   p.eps = float(c.opt.eps);
   p.l2norm = c.opt.l2norm_qk;
+  p.algorithm = g_alg;
   *impl = dgps::cuda::forward(p, ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "forward");
   Arrays r;
@@ -194,7 +198,9 @@ Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, 
   return r;
 }
 
-double tolerance(DType d) { return d == DType::f32 ? 1e-4 : 2e-2; }
+/// SPEC §5: float32 within 1e-4, 16-bit inputs within 2e-2; the chunkwise kernels' products take
+/// 16-bit operands, so forced chunkwise runs on float32 inputs get the 16-bit tolerance.
+double tolerance(DType d) { return d == DType::f32 && g_alg != dgps::Algorithm::chunkwise ? 1e-4 : 2e-2; }
 
 void report(const std::string& name, const char* what, double err, double tol, const std::string& impl) {
   const bool ok = err < tol;
@@ -315,6 +321,85 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
   }
 }
 
+/// The chunkwise tensor-core kernels (every covered model, forced, all input types) and the
+/// recurrent kernels on 16-bit inputs (which the automatic choice no longer sends there).
+void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
+  const char* models[] = {"la", "mamba2", "dn", "gdn", "pdn", "pgdn", "pmamba2"};
+  uint64_t seed = 9000;
+  g_alg = dgps::Algorithm::chunkwise;
+  for (const auto& name : dgps_test::case_names()) {
+    const Case c = dgps_test::load_case(name);
+    if (!dgps::cuda::supports(c.spec, dgps::Algorithm::chunkwise)) continue;
+    compare("chunk/conf/" + name, c, DType::f32, DType::f32, ws, nullptr);
+    compare("chunk/conf/" + name, c, DType::bf16, DType::f32, ws, nullptr);
+  }
+  for (const char* m : models) {
+    // Full chunks, GVA, K = V = 128 with h0/a0.
+    Case c = make_random(m, {.batch = 2, .time = 256, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
+                         seed++);
+    for (DType d : {DType::bf16, DType::f16, DType::f32})
+      compare(std::string("chunk/") + m + "/B2T256HV4", c, d, DType::f32, ws, nullptr);
+    if (quick) continue;
+    // Partial chunks, varlen with empty and one-token sequences, K = V = 64, no initial states.
+    dgps_test::Gen g0;
+    g0.h0 = false;
+    g0.a0 = false;
+    Case v = make_random(m, {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
+                         {0, 100, 101, 101, 400, 700}, seed++, g0);
+    compare(std::string("chunk/") + m + "/varlen_K64", v, DType::bf16, DType::bf16, ws, nullptr);
+    // Sizes that are not multiples of anything; GVA x4.
+    Case o = make_random(m, {.batch = 3, .time = 77, .heads = 1, .v_heads = 4, .key_dim = 100, .value_dim = 48}, {},
+                         seed++);
+    compare(std::string("chunk/") + m + "/K100V48", o, DType::bf16, DType::f32, ws, nullptr);
+  }
+  // Strong decay and g = 0 (SPEC §5).
+  dgps_test::Gen strong;
+  strong.g_lo = -50, strong.g_hi = -10;
+  for (const char* m : {"gdn", "pgdn"}) {
+    Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, strong);
+    compare(std::string("chunk/") + m + "/strong_decay", c, DType::bf16, DType::f32, ws, nullptr);
+  }
+  dgps_test::Gen zero;
+  zero.g_lo = 0, zero.g_hi = 1e-300;
+  Case z = make_random("pgdn", {.batch = 1, .time = 500, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128},
+                       {}, seed++, zero);
+  compare("chunk/pgdn/g0", z, DType::bf16, DType::f32, ws, nullptr);
+  // Long sequences and many heads (the state pass's 16-, 32- and 64-column tiles).
+  for (const char* m : {"gdn", "pgdn"}) {
+    Case big = make_random(m, {.batch = 2, .time = 2048, .heads = 4, .v_heads = 4, .key_dim = 128, .value_dim = 128},
+                           {}, seed++);
+    compare(std::string("chunk/") + m + "/B2T2048H4", big, DType::bf16, DType::bf16, ws, nullptr);
+    if (quick) break;
+    Case wide = make_random(m, {.batch = 8, .time = 130, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+                            {}, seed++);
+    compare(std::string("chunk/") + m + "/B8H16HV32", wide, DType::bf16, DType::f32, ws, nullptr);
+  }
+  // Forced chunkwise where it does not apply (Diagonal decay; V > 128): a dgps::Error naming the reason.
+  for (const auto& [m, V] : {std::pair<const char*, int64_t>{"kda", 64}, {"gdn", 192}}) {
+    Case c = make_random(m, {.batch = 1, .time = 70, .heads = 1, .v_heads = 1, .key_dim = 64, .value_dim = V}, {},
+                         seed++);
+    std::string impl, what;
+    try {
+      gpu_forward(c, DType::bf16, DType::f32, ws, &impl);
+    } catch (const dgps::Error& e) {
+      what = e.what();
+    }
+    const bool ok = what.find(V > 128 ? "value_dim <= 128" : "chunkwise") != std::string::npos;
+    if (!ok) ++g_failures;
+    std::printf("%-5s chunk/refuses/%s/V%lld: %s\n", ok ? "ok" : "FAIL", m, static_cast<long long>(V),
+                what.empty() ? "(no error)" : what.c_str());
+  }
+  // The recurrent kernels with 16-bit inputs.
+  g_alg = dgps::Algorithm::recurrent;
+  for (const char* m : {"gdn", "pgdn", "pmamba2"}) {
+    Case c = make_random(m, {.batch = 2, .time = 300, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
+                         seed++);
+    compare(std::string("recurrent/") + m + "/bf16", c, DType::bf16, DType::f32, ws, nullptr);
+  }
+  g_alg = dgps::Algorithm::automatic;
+}
+
 /// Decode of Tn tokens for N sequences addressed through a slot table into a pool of P states.
 void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cuda::Workspace& ws, int64_t N = 3) {
   const int64_t P = 2 * N, H = 2, HV = 4, K = 128, V = 128;
@@ -418,6 +503,7 @@ int main(int argc, char** argv) {
   try {
     conformance(ws);
     random_cases(ws, quick);
+    chunkwise_cases(ws, quick);
     uint64_t seed = 5000;
     for (const char* m : {"pgdn", "pkda", "mamba2", "pmamba2", "gdn"})
       for (int64_t Tn : {1, 3}) {

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "dgps/cpu/kernels.hpp"
+#include "dgps/detail/half.hpp"
 #include "dgps/detail/problem.hpp"
 #include "dgps/reference/backend.hpp"
 #include "dgps/types.hpp"
@@ -42,12 +43,17 @@ kernels::KView kview(const TensorView<V>& t) {
   return k;
 }
 
-/// The kernel params of a validated problem (float or double; states share the input type).
+/// The kernel params of a validated problem: float or double (states share the input type), or
+/// bf16 / f16 inputs and outputs with float states.
 template <class T>
 kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "the CPU kernels take float or double");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || is_half_v<T>,
+                "the CPU kernels take float, double, bf16 or f16");
   kernels::KernelParams k;
-  k.dtype = std::is_same_v<T, double> ? kernels::DType::f64 : kernels::DType::f32;
+  k.dtype = std::is_same_v<T, double>  ? kernels::DType::f64
+            : std::is_same_v<T, bf16> ? kernels::DType::bf16
+            : std::is_same_v<T, f16>  ? kernels::DType::f16
+                                      : kernels::DType::f32;
   k.spec = p.spec;
   k.B = p.B, k.T = p.T_, k.H = p.H, k.HV = p.HV, k.K = p.K, k.V = p.V, k.N = p.N;
   k.cu_seqlens = p.cu_seqlens;
@@ -55,6 +61,10 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
   k.q = kview(p.q), k.k = kview(p.k), k.v = kview(p.v), k.g = kview(p.g), k.beta = kview(p.beta);
   k.g_p = kview(p.g_p), k.beta_p = kview(p.beta_p), k.center = kview(p.center);
   k.h0 = kview(p.h0), k.a0 = kview(p.a0), k.o = kview(p.o), k.hT = kview(p.hT), k.aT = kview(p.aT);
+  k.d_o = kview(p.d_o), k.dhT = kview(p.dhT), k.daT = kview(p.daT);
+  k.dq = kview(p.dq), k.dk = kview(p.dk), k.dv = kview(p.dv), k.dg = kview(p.dg), k.dbeta = kview(p.dbeta);
+  k.dg_p = kview(p.dg_p), k.dbeta_p = kview(p.dbeta_p), k.dcenter = kview(p.dcenter);
+  k.dh0 = kview(p.dh0), k.da0 = kview(p.da0);
   k.scale = p.scale, k.x = p.x, k.eps = p.eps, k.lambda = p.lambda;
   k.l2norm = p.l2norm;
   k.threads = p.threads;
@@ -73,17 +83,27 @@ template <class R, class T>
 Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   const bool chunk = alg == Algorithm::chunkwise || (alg == Algorithm::automatic && has_chunkwise<R>());
   if (chunk) return {Algorithm::chunkwise, kernels::chunkwise_forward(detail_cpu::params(p))};
-  reference::forward<R, T, T>(p, p.threads);
+  reference::forward<R, T, state_t<T>>(p, p.threads);
   return {Algorithm::recurrent, "cpu/recurrent"};
 }
 
-/// Backward on the CPU: the recurrence with checkpoints every p.chunk tokens, for every algorithm
-/// request (there is no chunkwise backward kernel yet; RunInfo then reports `recurrent`).
-/// Returns the implementation name.
+/// Backward on the CPU. `chunkwise` forces the chunkwise backward kernels (SPEC §4, R must be
+/// covered); `automatic` picks them for every covered model (bench/README.md: far faster than the
+/// recurrence at every length). Otherwise (exact preconditioners, or `recurrent`) the recurrence
+/// runs token by token with checkpoints every p.chunk tokens (float accumulation).
 template <class R, class T>
-std::string backward(const dgps::detail::Problem<T>& p, Algorithm) {
-  reference::backward<R, T, T>(p, p.threads);
-  return "cpu/recurrent";
+Ran backward(const dgps::detail::Problem<T>& p, Algorithm alg) {
+  const bool chunk = alg == Algorithm::chunkwise || (alg == Algorithm::automatic && has_chunkwise<R>());
+  // bf16 / f16: the chunkwise kernels run on float copies (detail/half.hpp); the recurrence reads
+  // the half-precision tensors directly, accumulating in float.
+  if constexpr (is_half_v<T>)
+    if (chunk)
+      return dgps::detail::with_float_copy(p, [&](const dgps::detail::Problem<float>& f) {
+        return backward<R>(f, alg);
+      });
+  if (chunk) return {Algorithm::chunkwise, kernels::chunkwise_backward(detail_cpu::params(p))};
+  reference::backward<R, T, state_t<T>>(p, p.threads);
+  return {Algorithm::recurrent, "cpu/recurrent"};
 }
 
 /// Decode on the CPU with the fused one-sweep-per-token kernel (every model); returns its name.

@@ -12,8 +12,10 @@
 
 namespace dgps::cpu::kernels {
 
-/// Element type of every tensor of one call (inputs, outputs and states share it on the CPU).
-enum class DType { f32, f64 };
+/// Element type of the inputs and outputs of one call. States (h0/hT/a0/aT) are double for f64 and
+/// float otherwise: bf16 and f16 inputs are converted to float at load and `o` is rounded at store,
+/// all computation is float32 (SPEC §5).
+enum class DType { f32, f64, bf16, f16 };
 
 /// A strided view as the kernels see it: element (i0, .., i3) at data[i0*stride[0] + .. + i3*stride[3]];
 /// the last used dimension is contiguous. `data == nullptr` means absent.
@@ -32,6 +34,9 @@ struct KernelParams {
   KView q, k, v, g, beta, g_p, beta_p, center;  ///< inputs [B,T,H,K] .. center [H]
   KView h0, a0;                                 ///< initial states [N,HV,K,V], [N,H,K] (or [N,H,K,K])
   KView o, hT, aT;                              ///< outputs
+  KView d_o, dhT, daT;                          ///< backward cotangents [B,T,HV,V], [N,HV,K,V], [N,H,K]
+  KView dq, dk, dv, dg, dbeta, dg_p, dbeta_p, dcenter;  ///< backward: input gradients (absent = not wanted)
+  KView dh0, da0;                                       ///< backward: initial-state gradients
   double scale = 1, x = 1.5, eps = 1e-6, lambda = 1;
   bool l2norm = true;
   int threads = 0;     ///< 0 = all available
@@ -57,6 +62,12 @@ const char* isa_name();
 /// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given.
 /// Parallel over (sequence, value head) on `threads` threads. Returns "cpu/chunkwise/<isa>".
 const char* chunkwise_forward(const KernelParams& p);
+
+/// Chunkwise backward (SPEC §4, paper App. D) of a call `chunkwise_covers` accepts: writes every
+/// gradient whose view is given (dq .. dcenter, dh0, da0) for the cotangents d_o and, when given,
+/// dhT/daT. Parallel over (sequence, key head); dcenter is reduced over sequences in a fixed order.
+/// Returns "cpu/chunkwise/<isa>".
+const char* chunkwise_backward(const KernelParams& p);
 
 /// Decode of `p.T` tokens per sequence (SPEC §2 token by token) for every model: reads the states
 /// from h0/a0 and writes them to hT/aT (the same memory is allowed: states are updated in place).

@@ -1,0 +1,796 @@
+/// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
+///
+/// Included by kernel_impl.hpp after its primitives (gemm, lower_solve, exp_v, squash_inplace, Setup,
+/// Scratch), into the same per-ISA anonymous namespace. One task per (sequence n, key head h):
+///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
+///     read queries / write keys (as the forward kernel does);
+///  2. per value head of the group, a forward sweep over chunks stores each chunk's entry state
+///     (transposed), its pseudo-values R (transposed) and its intra-chunk matrices; a reverse sweep
+///     then carries the state gradient dS from dhT to dh0, writes dv, dbeta and dg, and adds the
+///     gradients of the read queries, read keys and write keys of every token (summed over the
+///     group's value heads, GVA);
+///  3. a reverse token pass chains those through the preconditioner statistics (dk, dg_p, dbeta_p,
+///     dcenter, da0) and through the L2 norm and scale (dq, dk).
+///
+/// Per chunk (rows i, j; gamma the chunk-local cumulative gate; E = e^gamma, Ed = e^{gamma_C - gamma}):
+///   Bm[i,j] = sum_c K[i,c] KW[j,c] e^{gamma_ic - gamma_jc} (j < i),  Akk = Diag(beta) Bm,
+///   Aq[i,j] = sum_c Q[i,c] KW[j,c] e^{gamma_ic - gamma_jc} (j <= i),
+///   X = Diag(beta) V - (beta K ⊙ E) S_in (online; beta V offline),  R = (I + Akk)^{-1} X,
+///   O = (Q ⊙ E) S_in + Aq R,  S_out = Diag(e^{gamma_C}) S_in + (KW ⊙ Ed)^T R.
+/// Reverse: dX = (I + Akk)^{-T} (Aq^T dO + (KW ⊙ Ed) dS_out), dAq = dO R^T, dAkk = -dX R^T,
+///   dS_in = Diag(e^{gamma_C}) dS_out + (Q ⊙ E)^T dO - (beta K ⊙ E)^T dX; every exponential factor is
+///   a difference of gates (sub-blocks of kSub rows for diagonal decay), so g = -50 stays finite.
+
+#include <type_traits>
+
+namespace dgps::cpu::kernels::DGPS_ISA_NS {
+namespace {
+
+/// Four-element vectors of T (and the matching integer shuffle masks) for the 4 x 4 transpose.
+template <class T>
+struct Quad {
+  typedef T type __attribute__((vector_size(4 * sizeof(T)), aligned(sizeof(T)), may_alias));
+  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> I;
+  typedef I mask __attribute__((vector_size(4 * sizeof(T))));
+};
+
+/// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 4 x 4 register blocks (eight shuffles
+/// each) inside 16 x 16 tiles, scalar edges.
+template <class T>
+void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
+  using Q = typename Quad<T>::type;
+  using M = typename Quad<T>::mask;
+  constexpr int64_t B = 16;
+  const int64_t r4 = rows / 4 * 4, c4 = cols / 4 * 4;
+  for (int64_t i0 = 0; i0 < r4; i0 += B) {
+    const int64_t i1 = imin(r4, i0 + B);
+    for (int64_t j0 = 0; j0 < c4; j0 += B) {
+      const int64_t j1 = imin(c4, j0 + B);
+      for (int64_t i = i0; i < i1; i += 4)
+        for (int64_t j = j0; j < j1; j += 4) {
+          const Q a = *reinterpret_cast<const Q*>(src + i * lds + j);
+          const Q b = *reinterpret_cast<const Q*>(src + (i + 1) * lds + j);
+          const Q c = *reinterpret_cast<const Q*>(src + (i + 2) * lds + j);
+          const Q d = *reinterpret_cast<const Q*>(src + (i + 3) * lds + j);
+          const Q t0 = __builtin_shuffle(a, b, M{0, 4, 1, 5}), t1 = __builtin_shuffle(a, b, M{2, 6, 3, 7});
+          const Q t2 = __builtin_shuffle(c, d, M{0, 4, 1, 5}), t3 = __builtin_shuffle(c, d, M{2, 6, 3, 7});
+          *reinterpret_cast<Q*>(dst + j * ldd + i) = __builtin_shuffle(t0, t2, M{0, 1, 4, 5});
+          *reinterpret_cast<Q*>(dst + (j + 1) * ldd + i) = __builtin_shuffle(t0, t2, M{2, 3, 6, 7});
+          *reinterpret_cast<Q*>(dst + (j + 2) * ldd + i) = __builtin_shuffle(t1, t3, M{0, 1, 4, 5});
+          *reinterpret_cast<Q*>(dst + (j + 3) * ldd + i) = __builtin_shuffle(t1, t3, M{2, 3, 6, 7});
+        }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < r4 ? c4 : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+/// A 64-byte aligned block owned by one task, left uninitialised (every element used is written first).
+template <class T>
+struct RawScratch {
+  T* base = nullptr;
+  explicit RawScratch(int64_t n) {
+    base = static_cast<T*>(std::aligned_alloc(64, size_t(round_up(n * int64_t(sizeof(T)), 64))));
+  }
+  ~RawScratch() { std::free(base); }
+  RawScratch(const RawScratch&) = delete;
+  RawScratch& operator=(const RawScratch&) = delete;
+};
+
+/// Solves (I + A)^T X = R in place for a strictly lower-triangular A (rows of `lda`) by backward
+/// substitution: X_i = R_i - sum_{j > i} A[j][i] X_j. R is m x n (n a multiple of the vector length).
+template <class T>
+void upper_solve_t(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  constexpr int NB = 8;
+  for (int64_t e0 = 0; e0 < n; e0 += NB * L) {
+    const int nb = int(imin(NB, (n - e0) / L));
+    for (int64_t i = m - 2; i >= 0; --i) {
+      V acc[NB];
+      T* ri = R + i * ldr + e0;
+      for (int v = 0; v < NB; ++v) acc[v] = v < nb ? vload(ri + v * L) : V{};
+      for (int64_t j = i + 1; j < m; ++j) {
+        const T a = A[j * lda + i];
+        const T* rj = R + j * ldr + e0;
+        if (nb == NB) {
+          for (int v = 0; v < NB; ++v) acc[v] -= a * vload(rj + v * L);
+        } else {
+          for (int v = 0; v < nb; ++v) acc[v] -= a * vload(rj + v * L);
+        }
+      }
+      for (int v = 0; v < nb; ++v) vstore(ri + v * L, acc[v]);
+    }
+  }
+}
+
+/// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
+/// Same layout rules as `gemm` (n a multiple of the vector length).
+template <class T>
+void gemm_upper(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
+    const bool two = j0 + 2 * L <= n;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = int(imin(kMR, m - i0));
+      const T* a = A + i0 * lda + i0;
+      const T* bb = B + i0 * ldb + j0;
+      T* cc = C + i0 * ldc + j0;
+      if (two)
+        gemm_rows<T, 2>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
+      else
+        gemm_rows<T, 1>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
+    }
+  }
+}
+
+/// sum_i a[i] b[i] with vector accumulators (the compiler may not reorder a scalar float sum).
+template <class T>
+inline T dotv(const T* a, const T* b, int64_t n) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  V acc0{}, acc1{};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    acc0 += vload(a + i) * vload(b + i);
+    acc1 += vload(a + i + L) * vload(b + i + L);
+  }
+  for (; i + L <= n; i += L) acc0 += vload(a + i) * vload(b + i);
+  acc0 += acc1;
+  T sum = 0;
+  for (int l = 0; l < L; ++l) sum += acc0[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+/// The squash of SPEC §2 and its derivative dM/dA (0 where A + eps <= 0, as in the reference).
+template <class T>
+inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
+  const T ae = A + eps;
+  if (!(ae > T(0))) {
+    *dmda = T(0);
+    return std::exp(log_x);
+  }
+  const T r = std::log(ae) - center;
+  const T den = T(1) + std::fabs(r);
+  const T m = std::exp(-log_x * (r / den));
+  *dmda = m * (-log_x) / (den * den) / ae;
+  return m;
+}
+
+/// 1 / sqrt(sum x^2 + 1e-6) of one row (SPEC §1).
+template <class T>
+inline T row_rstd(const T* x, int64_t K) {
+  T ss = 0;
+  for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
+  return T(1) / std::sqrt(ss + T(1e-6));
+}
+
+/// D[i] = dM/dA at A[i] given M[i] = squash(A[i]) (SPEC §2): M (-log x) / ((1 + |r|)^2 (A + eps)),
+/// r = log(A + eps) - center; 0 where A + eps <= 0. n a multiple of the vector length for float.
+template <class T>
+void squash_slope(const T* A, const T* M, T* D, int64_t n, T center, T log_x, T eps) {
+  int64_t i = 0;
+  if constexpr (sizeof(T) == 4) {
+    constexpr int L = Vec<float>::L;
+    for (; i < n; i += L) {
+      const VF ae = vload(A + i) + eps;
+      bool normal = true;
+      for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
+      if (normal) {
+        const VF r = log_v(ae) - center;
+        const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
+        vstore(D + i, vload(M + i) * -log_x / (den * den * ae));
+      } else {
+        for (int l = 0; l < L; ++l) squash_grad1(A[i + l], center, log_x, eps, D + i + l);
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const T ae = A[i] + eps;
+    if (!(ae > T(0))) {
+      D[i] = 0;
+      continue;
+    }
+    const T den = T(1) + std::fabs(std::log(ae) - center);
+    D[i] = M[i] * -log_x / (den * den * ae);
+  }
+}
+
+/// Backward of the L2 norm and scale of SPEC §1 (y = mul * xhat, xhat = x * rstd) from the normalised
+/// row xhat and rstd: dx = mul * rstd * (dy - xhat (xhat . dy)); dx = mul * dy without the norm.
+template <class T>
+inline void norm_backward(const T* xhat, T rstd, int64_t K, bool norm, T mul, const T* dy, T* dx) {
+  if (!norm) {
+    for (int64_t i = 0; i < K; ++i) dx[i] = mul * dy[i];
+    return;
+  }
+  const T ydy = dotv(xhat, dy, K);
+  for (int64_t i = 0; i < K; ++i) dx[i] = mul * rstd * (dy[i] - xhat[i] * ydy);
+}
+
+/// Chunkwise backward of task n * H + h (the steps in the file comment); writes every requested
+/// gradient of the group and its dcenter term to `*dcenter_out`.
+template <class T>
+void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
+  const Setup<T> s(p);
+  constexpr int L = Vec<T>::L;
+  const int64_t n = task / p.H, h = task % p.H;
+  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), si = state_index(p, n);
+  const int64_t len = seq_len(p, n) > 0 ? seq_len(p, n) : 0;
+  const int64_t K = s.K, Vd = s.V, Kp = s.Kp, Vp = s.Vp, r = s.r;
+  const int64_t C = imin(p.chunk < 1 ? 1 : p.chunk, len < 1 ? 1 : len);
+  const int64_t Cp = round_up(C, L), C2 = 2 * Cp, S2 = 2 * kSub;
+  const int64_t nch = (len + C - 1) / C;
+  const bool diag = s.decay == decay::Kind::diagonal, scal = s.decay == decay::Kind::scalar;
+  const bool decays = diag || scal, online = s.online;
+  const T ctr = s.diag_pre ? s.center(h) : T(0);
+  *dcenter_out = 0;
+
+  // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
+  // Per token [len, Kp]: normalised q, k, read queries, write keys, squash M, statistics A_t, dM/dA, the
+  // gradients of the read queries, read keys and write keys (summed over the value heads); [len]: rstd.
+  T *Qn = nullptr, *Kn = nullptr, *Qr = nullptr, *KW = nullptr, *Mt = nullptr, *At = nullptr, *Dt = nullptr;
+  T *dQr = nullptr, *dKn = nullptr, *dKW = nullptr;
+  // Per chunk of one value head: S_in^T [Vd, Kp], R^T [Vd, Cp], R [C, Vp], Bm and Aq [C, Cp].
+  T *SinT = nullptr, *RT = nullptr, *Rs = nullptr, *Bms = nullptr, *Aqs = nullptr, *rq = nullptr, *rk = nullptr;
+  // Chunk operands and gradients.
+  T *S = nullptr, *dS = nullptr, *Vb = nullptr, *G = nullptr, *R = nullptr, *Akk = nullptr, *Gam = nullptr;
+  T *E = nullptr, *Ed = nullptr, *eC = nullptr, *Kne = nullptr, *Qd = nullptr, *Kd = nullptr, *KWd = nullptr;
+  T *QKdT = nullptr, *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
+  T *AqT = nullptr, *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr, *dBT = nullptr;
+  T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dST = nullptr, *ddq = nullptr, *dgam = nullptr, *sumC = nullptr,
+    *dbet = nullptr;
+  T *tmp = nullptr, *acc = nullptr;
+  // Diagonal-decay sub-blocks.
+  T *LQK = nullptr, *Fi = nullptr, *KWt = nullptr, *Fj = nullptr, *KWtT = nullptr, *dLQK = nullptr;
+  T *dABt = nullptr, *dKWt = nullptr, *Pb = nullptr;
+  // Token pass.
+  T *A0 = nullptr, *dA = nullptr, *dqn = nullptr, *dkn = nullptr, *dx = nullptr, *qh = nullptr, *ones = nullptr;
+  // The per-token arrays and the per-chunk stores (most of the memory) are not zeroed: every element
+  // read is written first (padding columns explicitly). The chunk operands are zero-initialised.
+  auto big_layout = [&](T* base) {
+    int64_t off = 0;
+    auto take = [&](T*& ptr, int64_t cnt) {
+      ptr = base ? base + off : nullptr;
+      off += round_up(cnt > 0 ? cnt : 1, 16);
+    };
+    const int64_t nt = len * Kp;
+    take(Qn, nt), take(Kn, nt), take(dQr, nt), take(dKn, nt), take(dKW, nt), take(rq, len), take(rk, len);
+    take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
+    take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt : 0), take(Dt, s.diag_pre ? nt : 0);
+    take(SinT, nch * Vd * Kp), take(RT, nch * Vd * Cp), take(Rs, nch * C * Vp), take(Bms, nch * C * Cp);
+    take(Aqs, nch * C * Cp);
+    return off;
+  };
+  RawScratch<T> big(big_layout(nullptr));
+  big_layout(big.base);
+  if (!s.atq) Qr = Qn;
+  if (!s.atk) KW = Kn;
+  auto layout = [&](T* base) {
+    int64_t off = 0;
+    auto take = [&](T*& ptr, int64_t cnt) {
+      ptr = base ? base + off : nullptr;
+      off += round_up(cnt > 0 ? cnt : 1, 16);
+    };
+    take(S, K * Vp), take(dST, Vd * Kp), take(dS, K * Vp), take(Vb, C * Vp), take(G, C * Vp), take(R, C * Vp),
+        take(Akk, C * Cp);
+    take(Gam, C * Kp), take(E, C * Kp), take(Ed, C * Kp), take(Kne, C * Kp), take(Qd, C * Kp), take(Kd, C * Kp);
+    take(KWd, C * Kp), take(dQi, C * Kp), take(dKi, C * Kp), take(dKWi, C * Kp), take(dgam, C * Kp);
+    take(dQd, 2 * Cp * Kp);
+    dKdn = dQd ? dQd + Cp * Kp : nullptr;
+    take(eC, Kp), take(sumC, Kp), take(acc, Kp), take(Bt, Cp), take(dbet, Cp), take(ddq, Cp), take(tmp, Kp + Cp);
+    take(QKdT, K * C2), take(KWdT, K * Cp), take(KWT, K * Cp), take(dBT, C * Cp);
+    take(dKWd, C * Kp), take(dOX, C2 * Vp), take(AqT, C * Cp), take(dAB, C2 * Cp);
+    if (diag) {
+      take(LQK, S2 * Kp), take(Fi, kSub * Kp), take(KWt, C * Kp), take(Fj, C * Kp), take(KWtT, K * Cp);
+      take(dLQK, S2 * Kp), take(dABt, C * S2), take(dKWt, C * Kp), take(Pb, S2 * Cp);
+    }
+    take(A0, Kp), take(dA, Kp), take(dqn, Kp), take(dkn, Kp), take(dx, Kp), take(qh, Kp), take(ones, Kp);
+    return off;
+  };
+  Scratch<T> mem(layout(nullptr));
+  layout(mem.base);
+  for (int64_t c = 0; c < K; ++c) ones[c] = 1;
+
+  // 1. Token pass (SPEC §1-2): normalised q (times scale) and k, statistics A_t, M, qr and kw.
+  if (s.diag_pre && p.a0.data) {
+    const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+    for (int64_t c = 0; c < K; ++c) A0[c] = a0[c];
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t ti = t0 + t;
+    if (t + 8 < len) {
+      prefetch(s.qrow(b, ti + 8, h), K * int64_t(sizeof(T)));
+      prefetch(s.krow(b, ti + 8, h), K * int64_t(sizeof(T)));
+    }
+    load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + t * Kp);
+    load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + t * Kp);
+    rq[t] = p.l2norm ? row_rstd(s.qrow(b, ti, h), K) : T(1);
+    rk[t] = p.l2norm ? row_rstd(s.krow(b, ti, h), K) : T(1);
+    for (int64_t c = K; c < Kp; ++c) Qn[t * Kp + c] = Kn[t * Kp + c] = 0;
+    if (s.diag_pre) {
+      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+      const T* prev = t ? At + (t - 1) * Kp : A0;
+      const T* kn = Kn + t * Kp;
+      for (int64_t c = 0; c < Kp; ++c) At[t * Kp + c] = a * prev[c] + bb * kn[c] * kn[c];
+    }
+  }
+  if (s.diag_pre) {
+    std::memcpy(Mt, At, size_t(len * Kp) * sizeof(T));
+    squash_inplace(Mt, len * Kp, ctr, s.log_x, s.eps);
+    squash_slope(At, Mt, Dt, len * Kp, ctr, s.log_x, s.eps);
+  }
+  if (s.atq)
+    for (int64_t i = 0; i < len * Kp; ++i) Qr[i] = Qn[i] * Mt[i];
+  if (s.atk)
+    for (int64_t i = 0; i < len * Kp; ++i) KW[i] = Kn[i] * Mt[i];
+
+  // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors, decayed keys and
+  // queries, and their transposes (padding columns cleared, as the stacked products read them).
+  auto build = [&](int64_t cs, int64_t c, int64_t hv, bool forward_sweep) {
+    for (int64_t i = 0; i < Cp; ++i) Bt[i] = i < c ? s.beta(b, t0 + cs + i, hv) : T(0);
+    if (diag) {
+      for (int64_t i = 0; i < c; ++i) {
+        const T* g = s.grow(b, t0 + cs + i, hv);
+        for (int64_t ch = 0; ch < K; ++ch) Gam[i * Kp + ch] = g[ch] + (i ? Gam[(i - 1) * Kp + ch] : T(0));
+      }
+      const T* gl = Gam + (c - 1) * Kp;
+      for (int64_t i = 0; i < c; ++i) {
+        for (int64_t ch = 0; ch < Kp; ++ch) {
+          E[i * Kp + ch] = Gam[i * Kp + ch];
+          Ed[i * Kp + ch] = gl[ch] - Gam[i * Kp + ch];
+        }
+        exp_inplace(E + i * Kp, Kp);
+        exp_inplace(Ed + i * Kp, Kp);
+      }
+      std::memcpy(eC, gl, size_t(Kp) * sizeof(T));
+      exp_inplace(eC, Kp);
+    } else {
+      for (int64_t i = 0; i < c; ++i) Gam[i] = scal ? s.grow(b, t0 + cs + i, hv)[0] + (i ? Gam[i - 1] : T(0)) : T(0);
+      const T gC = Gam[c - 1];
+      for (int64_t i = 0; i < c; ++i) {
+        const T e = std::exp(Gam[i]), ed = std::exp(gC - Gam[i]);
+        for (int64_t ch = 0; ch < Kp; ++ch) E[i * Kp + ch] = e, Ed[i * Kp + ch] = ed;
+      }
+      const T ec = std::exp(gC);
+      for (int64_t ch = 0; ch < Kp; ++ch) eC[ch] = ec;
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      const T* q = Qr + (cs + i) * Kp;
+      const T* k = Kn + (cs + i) * Kp;
+      const T* w = KW + (cs + i) * Kp;
+      for (int64_t ch = 0; ch < Kp; ++ch) {
+        Kne[i * Kp + ch] = k[ch] * E[i * Kp + ch];
+        Kd[i * Kp + ch] = Bt[i] * Kne[i * Kp + ch];
+        Qd[i * Kp + ch] = q[ch] * E[i * Kp + ch];
+        KWd[i * Kp + ch] = w[ch] * Ed[i * Kp + ch];
+      }
+    }
+    // Transposes: KWd^T and KW^T for the forward sweep; [Qd^T | Kd^T] for the reverse one.
+    auto pad = [&](T* m, int64_t ld, int64_t col0) {
+      if (c < Cp)
+        for (int64_t ch = 0; ch < K; ++ch)
+          for (int64_t i = c; i < Cp; ++i) m[ch * ld + col0 + i] = 0;
+    };
+    if (forward_sweep) {
+      transpose(c, K, KWd, Kp, KWdT, Cp), pad(KWdT, Cp, 0);
+      transpose(c, K, KW + cs * Kp, Kp, KWT, Cp), pad(KWT, Cp, 0);
+    } else {
+      transpose(c, K, Qd, Kp, QKdT, C2), pad(QKdT, C2, 0);
+      transpose(c, K, Kd, Kp, QKdT + Cp, C2), pad(QKdT, C2, Cp);
+    }
+  };
+
+  // Diagonal decay, rows [i0, i0 + nb) against earlier rows j < i0: e^{gamma_i - gamma_j} =
+  // Fi_i * Fj_j with Fi = e^{gamma_i - gamma_i0}, Fj = e^{gamma_i0 - gamma_j}, both <= 1 for g <= 0.
+  // Fills Fi, LQK = [Q ⊙ Fi (kSub rows); K ⊙ Fi (kSub rows)], Fj and KWt = KW ⊙ Fj (rows j < i0).
+  auto sub_block = [&](int64_t cs, int64_t i0, int64_t nb) {
+    const T* g0 = Gam + i0 * Kp;
+    std::memset(LQK, 0, size_t(S2 * Kp) * sizeof(T));
+    for (int64_t i = 0; i < nb; ++i) {
+      T* f = Fi + i * Kp;
+      for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = Gam[(i0 + i) * Kp + ch] - g0[ch];
+      exp_inplace(f, Kp);
+      for (int64_t ch = 0; ch < Kp; ++ch) {
+        LQK[i * Kp + ch] = Qr[(cs + i0 + i) * Kp + ch] * f[ch];
+        LQK[(kSub + i) * Kp + ch] = Kn[(cs + i0 + i) * Kp + ch] * f[ch];
+      }
+    }
+    for (int64_t j = 0; j < i0; ++j) {
+      T* f = Fj + j * Kp;
+      for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = g0[ch] - Gam[j * Kp + ch];
+      exp_inplace(f, Kp);
+      for (int64_t ch = 0; ch < Kp; ++ch) KWt[j * Kp + ch] = KW[(cs + j) * Kp + ch] * f[ch];
+    }
+  };
+
+  // Intra-chunk matrices Bm (strictly lower, without beta) and Aq (lower with the diagonal) (SPEC §4).
+  auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
+    if (!diag) {
+      if (online) gemm(c, Cp, K, Kn + cs * Kp, Kp, KWT, Cp, Bm, Cp, false, Tri::c_lower);
+      gemm(c, Cp, K, Qr + cs * Kp, Kp, KWT, Cp, Aq, Cp, false, Tri::c_lower);
+      for (int64_t i = 0; i < c; ++i) {
+        for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
+        exp_inplace(tmp, Cp);  // e^{gamma_i - gamma_j}, 0 above the diagonal
+        for (int64_t j = 0; j < Cp; ++j) {
+          Aq[i * Cp + j] = j <= i ? tmp[j] * Aq[i * Cp + j] : T(0);
+          Bm[i * Cp + j] = (online && j < i) ? tmp[j] * Bm[i * Cp + j] : T(0);
+        }
+      }
+      return;
+    }
+    std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
+    std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
+    for (int64_t i0 = kSub; i0 < c; i0 += kSub) {
+      const int64_t nb = imin(kSub, c - i0);
+      sub_block(cs, i0, nb);
+      transpose(i0, K, KWt, Kp, KWtT, Cp);
+      gemm(kSub + nb, i0, K, LQK, Kp, KWtT, Cp, Pb, Cp, false);
+      for (int64_t i = 0; i < nb; ++i)
+        for (int64_t j = 0; j < i0; ++j) {
+          Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
+          if (online) Bm[(i0 + i) * Cp + j] = Pb[(kSub + i) * Cp + j];
+        }
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      const T* gi = Gam + i * Kp;
+      const T* q = Qr + (cs + i) * Kp;
+      const T* k = Kn + (cs + i) * Kp;
+      for (int64_t j = i / kSub * kSub; j <= i; ++j) {
+        const T* gj = Gam + j * Kp;
+        const T* w = KW + (cs + j) * Kp;
+        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
+        exp_inplace(tmp, Kp);
+        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
+        const T sq = dotv(q, tmp, Kp), sk = dotv(k, tmp, Kp);
+        Aq[i * Cp + j] = sq;
+        if (online && j < i) Bm[i * Cp + j] = sk;
+      }
+    }
+  };
+
+  // Values of the chunk; the next chunk's rows are prefetched meanwhile.
+  auto load_values = [&](int64_t cs, int64_t c, int64_t hv) {
+    for (int64_t i = 0; i < c; ++i) {
+      if (cs + c + i < len) prefetch(s.vrow(b, t0 + cs + c + i, hv), Vd * int64_t(sizeof(T)));
+      std::memcpy(Vb + i * Vp, s.vrow(b, t0 + cs + i, hv), size_t(Vd) * sizeof(T));
+    }
+  };
+  auto make_akk = [&](int64_t c, const T* Bm) {
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j < Cp; ++j) Akk[i * Cp + j] = j < i ? Bt[i] * Bm[i * Cp + j] : T(0);
+  };
+
+  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq), then the reverse sweep over chunks.
+  for (int64_t jh = 0; jh < r; ++jh) {
+    const int64_t hv = h * r + jh;
+    std::memset(S, 0, size_t(K * Vp) * sizeof(T));
+    if (p.h0.data) {
+      const T* h0 = s.state(p.h0, si, hv);
+      for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * Vp, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+    }
+    for (int64_t ci = 0; ci < nch; ++ci) {
+      const int64_t cs = ci * C, c = imin(C, len - cs);
+      T* Bm = Bms + ci * C * Cp;
+      T* Aq = Aqs + ci * C * Cp;
+      build(cs, c, hv, true);
+      intra(cs, c, Bm, Aq);
+      load_values(cs, c, hv);
+      if (online) {
+        gemm(c, Vp, K, Kd, Kp, S, Vp, G, Vp, false);
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t e = 0; e < Vp; ++e) R[i * Vp + e] = Bt[i] * Vb[i * Vp + e] - G[i * Vp + e];
+        make_akk(c, Bm);
+        lower_solve(c, Vp, Akk, Cp, R, Vp);
+      } else {
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t e = 0; e < Vp; ++e) R[i * Vp + e] = Bt[i] * Vb[i * Vp + e];
+      }
+      std::memcpy(Rs + ci * C * Vp, R, size_t(c * Vp) * sizeof(T));
+      T* st = SinT + ci * Vd * Kp;
+      T* rt = RT + ci * Vd * Cp;
+      transpose(K, Vd, S, Vp, st, Kp);
+      transpose(c, Vd, R, Vp, rt, Cp);
+      for (int64_t e = 0; e < Vd; ++e) {
+        for (int64_t ch = K; ch < Kp; ++ch) st[e * Kp + ch] = 0;
+        for (int64_t i = c; i < Cp; ++i) rt[e * Cp + i] = 0;
+      }
+      if (decays)
+        for (int64_t ch = 0; ch < K; ++ch)
+          for (int64_t e = 0; e < Vp; ++e) S[ch * Vp + e] *= eC[ch];
+      gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true);
+    }
+
+    // Reverse sweep. dS: gradient of the state leaving the current chunk.
+    std::memset(dS, 0, size_t(K * Vp) * sizeof(T));
+    if (p.dhT.data) {
+      const T* dhT = s.state(p.dhT, si, hv);
+      for (int64_t c = 0; c < K; ++c) std::memcpy(dS + c * Vp, dhT + c * p.dhT.stride[2], size_t(Vd) * sizeof(T));
+    }
+    T* dO = dOX;
+    T* dX = dOX + Cp * Vp;
+    T* dAq = dAB;
+    T* dB = dAB + Cp * Cp;
+    for (int64_t ci = nch - 1; ci >= 0; --ci) {
+      const int64_t cs = ci * C, c = imin(C, len - cs);
+      const T* Bm = Bms + ci * C * Cp;
+      const T* Aq = Aqs + ci * C * Cp;
+      const T* SinTc = SinT + ci * Vd * Kp;
+      const T* RTc = RT + ci * Vd * Cp;
+      build(cs, c, hv, false);
+      std::memset(dOX, 0, size_t(C2 * Vp) * sizeof(T));
+      auto do_row = [&](int64_t t) {
+        return cptr<T>(p.d_o) + b * p.d_o.stride[0] + (t0 + t) * p.d_o.stride[1] + hv * p.d_o.stride[2];
+      };
+      for (int64_t i = 0; i < c; ++i) {
+        std::memcpy(dO + i * Vp, do_row(cs + i), size_t(Vd) * sizeof(T));
+        if (ci > 0) {  // the previous chunk's rows, read next
+          prefetch(do_row(cs - C + i), Vd * int64_t(sizeof(T)));
+          prefetch(s.vrow(b, t0 + cs - C + i, hv), Vd * int64_t(sizeof(T)));
+        }
+      }
+      // dR = Aq^T dO + KWd dS_out; dX = (I + Akk)^{-T} dR (online) or dR (offline).
+      transpose(c, c, Aq, Cp, AqT, Cp);
+      gemm_upper(c, Vp, AqT, Cp, dO, Vp, dX, Vp, false);
+      gemm(c, Vp, K, KWd, Kp, dS, Vp, dX, Vp, true);
+      if (online) {
+        make_akk(c, Bm);
+        upper_solve_t(c, Vp, Akk, Cp, dX, Vp);
+      }
+      // X = beta V - Kd S_in: dv = beta dX, dbeta += V . dX.
+      for (int64_t i = 0; i < c; ++i) {
+        const T* v = s.vrow(b, t0 + cs + i, hv);
+        dbet[i] = dotv(v, dX + i * Vp, Vd);
+        if (p.dv.data) {
+          T* dv = mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + cs + i) * p.dv.stride[1] + hv * p.dv.stride[2];
+          for (int64_t e = 0; e < Vd; ++e) dv[e] = Bt[i] * dX[i * Vp + e];
+        }
+      }
+      // dAq = dO R^T (j <= i); dAkk = -dX R^T (j < i): dbeta_i += sum_j dAkk_ij Bm_ij, dB = beta dAkk.
+      std::memset(dAB, 0, size_t(C2 * Cp) * sizeof(T));
+      gemm(c, Cp, Vd, dO, Vp, RTc, Cp, dAq, Cp, false, Tri::c_lower);
+      // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
+      // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
+      for (int64_t i = 0; i < c; ++i) {
+        ddq[i] = dAq[i * Cp + i];
+        for (int64_t j = i; j < Cp; ++j) dAq[i * Cp + j] = 0;
+      }
+      if (online) {
+        gemm(c, Cp, Vd, dX, Vp, RTc, Cp, dB, Cp, false, Tri::c_lower);
+        for (int64_t i = 0; i < c; ++i) {
+          T* db = dB + i * Cp;
+          for (int64_t j = 0; j < Cp; ++j) db[j] = j < i ? -db[j] : T(0);
+          dbet[i] += dotv(db, Bm + i * Cp, Cp);
+          for (int64_t j = 0; j < Cp; ++j) db[j] *= Bt[i];
+        }
+      }
+      // Intra-chunk backward: dQi = d(Aq)/dQ, dKi = d(Bm)/dK, dKWi = d(Aq, Bm)/dKW (row layout).
+      std::memset(dQi, 0, size_t(C * Kp) * sizeof(T));
+      std::memset(dKi, 0, size_t(C * Kp) * sizeof(T));
+      std::memset(dKWi, 0, size_t(C * Kp) * sizeof(T));
+      if (!diag) {
+        if (scal)
+          for (int64_t i = 0; i < c; ++i) {
+            for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
+            exp_inplace(tmp, Cp);
+            for (int64_t j = 0; j <= i; ++j) {
+              dAq[i * Cp + j] *= tmp[j];
+              dB[i * Cp + j] *= tmp[j];
+            }
+          }
+        gemm(c, Kp, c, dAq, Cp, KW + cs * Kp, Kp, dQi, Kp, false, Tri::a_lower);
+        if (online) gemm(c, Kp, c, dB, Cp, KW + cs * Kp, Kp, dKi, Kp, false, Tri::a_lower);
+        transpose(c, c, dAq, Cp, AqT, Cp);
+        gemm_upper(c, Kp, AqT, Cp, Qr + cs * Kp, Kp, dKWi, Kp, false);
+        if (online) {
+          transpose(c, c, dB, Cp, dBT, Cp);
+          gemm_upper(c, Kp, dBT, Cp, Kn + cs * Kp, Kp, dKWi, Kp, true);
+        }
+      } else {
+        for (int64_t i0 = 0; i0 < c; i0 += kSub) {
+          const int64_t nb = imin(kSub, c - i0);
+          // Diagonal block: per pair, exact exponent differences.
+          for (int64_t i = i0; i < i0 + nb; ++i) {
+            const T* gi = Gam + i * Kp;
+            const T* q = Qr + (cs + i) * Kp;
+            const T* k = Kn + (cs + i) * Kp;
+            for (int64_t j = i0; j < i; ++j) {
+              const T a = dAq[i * Cp + j], bq = dB[i * Cp + j];
+              const T* gj = Gam + j * Kp;
+              const T* w = KW + (cs + j) * Kp;
+              for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
+              exp_inplace(tmp, Kp);
+              T* dq = dQi + i * Kp;
+              T* dk = dKi + i * Kp;
+              T* dw = dKWi + j * Kp;
+              for (int64_t ch = 0; ch < K; ++ch) {
+                const T x = tmp[ch] * w[ch];
+                dq[ch] += a * x;
+                dk[ch] += bq * x;
+                dw[ch] += (a * q[ch] + bq * k[ch]) * tmp[ch];
+              }
+            }
+          }
+          if (i0 == 0) continue;
+          // Earlier rows: dLQ = dAq[block, :i0] KWt, dLK = dB[block, :i0] KWt; dKWt = dAq^T LQ + dB^T LK.
+          sub_block(cs, i0, nb);
+          std::memset(dLQK, 0, size_t(S2 * Kp) * sizeof(T));
+          gemm(nb, Kp, i0, dAq + i0 * Cp, Cp, KWt, Kp, dLQK, Kp, false);
+          if (online) gemm(nb, Kp, i0, dB + i0 * Cp, Cp, KWt, Kp, dLQK + kSub * Kp, Kp, false);
+          for (int64_t i = 0; i < nb; ++i)
+            for (int64_t ch = 0; ch < Kp; ++ch) {
+              dQi[(i0 + i) * Kp + ch] += dLQK[i * Kp + ch] * Fi[i * Kp + ch];
+              dKi[(i0 + i) * Kp + ch] += dLQK[(kSub + i) * Kp + ch] * Fi[i * Kp + ch];
+            }
+          for (int64_t j = 0; j < i0; ++j)
+            for (int64_t i = 0; i < kSub; ++i) {
+              dABt[j * S2 + i] = i < nb ? dAq[(i0 + i) * Cp + j] : T(0);
+              dABt[j * S2 + kSub + i] = i < nb ? dB[(i0 + i) * Cp + j] : T(0);
+            }
+          gemm(i0, Kp, online ? S2 : kSub, dABt, S2, LQK, Kp, dKWt, Kp, false);
+          for (int64_t j = 0; j < i0; ++j)
+            for (int64_t ch = 0; ch < Kp; ++ch) dKWi[j * Kp + ch] += dKWt[j * Kp + ch] * Fj[j * Kp + ch];
+        }
+      }
+      // Inter-chunk products: dQd = dO S_in^T, dKdn = dX S_in^T (dKd = -dKdn), dKWd = R dS_out^T.
+      if (online && c == Cp) {  // dO and dX are adjacent in dOX, dQd and dKdn in dQK: one product
+        gemm(2 * Cp, Kp, Vd, dOX, Vp, SinTc, Kp, dQd, Kp, false);
+      } else {
+        gemm(c, Kp, Vd, dO, Vp, SinTc, Kp, dQd, Kp, false);
+        if (online) gemm(c, Kp, Vd, dX, Vp, SinTc, Kp, dKdn, Kp, false);
+      }
+      transpose(K, Vd, dS, Vp, dST, Kp);
+      gemm(c, Kp, Vd, Rs + ci * C * Vp, Vp, dST, Kp, dKWd, Kp, false);
+      // Gate gradient: dgamma_i = Q ⊙ dQ - KW ⊙ dKW + K ⊙ dK over every e^{+-gamma} factor, plus the
+      // chunk-total terms (S_out's decay and KWd's e^{gamma_C}) on the last row.
+      if (decays) {
+        for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0, acc[ch] = 0;
+        for (int64_t e = 0; e < Vd; ++e)
+          for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] += SinTc[e * Kp + ch] * dST[e * Kp + ch];
+        // The last row's KWd has no gate (e^0): left out here and below.
+        for (int64_t j = 0; j + 1 < c; ++j)
+          for (int64_t ch = 0; ch < K; ++ch) acc[ch] += KWd[j * Kp + ch] * dKWd[j * Kp + ch];
+        for (int64_t ch = 0; ch < K; ++ch) sumC[ch] = eC[ch] * sumC[ch] + acc[ch];
+      }
+      for (int64_t i = 0; i < c; ++i) {
+        const int64_t t = cs + i;
+        const T* q = Qr + t * Kp;
+        const T* k = Kn + t * Kp;
+        const T* w = KW + t * Kp;
+        T* gq = dQr + t * Kp;
+        T* gk = dKn + t * Kp;
+        T* gw = dKW + t * Kp;
+        T* dgm = dgam + i * Kp;
+        if (online) dbet[i] -= dotv(dKdn + i * Kp, Kne + i * Kp, K);
+        const T dd = ddq[i], last = i + 1 < c ? T(1) : T(0);
+        if (jh == 0)  // the first value head of the group initialises the token gradients
+          for (int64_t ch = 0; ch < K; ++ch) gq[ch] = gk[ch] = gw[ch] = 0;
+        for (int64_t ch = 0; ch < K; ++ch) {
+          const T dqd = dQd[i * Kp + ch], dkd = online ? dKdn[i * Kp + ch] : T(0);
+          const T dwd = dKWd[i * Kp + ch], dwi = dKWi[i * Kp + ch];
+          const T e = E[i * Kp + ch];
+          gq[ch] += dQi[i * Kp + ch] + dqd * e + dd * w[ch];
+          gk[ch] += dKi[i * Kp + ch] - dkd * Bt[i] * e;
+          gw[ch] += dwi + dwd * Ed[i * Kp + ch] + dd * q[ch];
+          if (decays)
+            dgm[ch] = q[ch] * dQi[i * Kp + ch] + k[ch] * dKi[i * Kp + ch] - w[ch] * dwi + dqd * Qd[i * Kp + ch] -
+                      dkd * Kd[i * Kp + ch] - last * dwd * KWd[i * Kp + ch];
+        }
+      }
+      // dg_t = sum over the chunk's rows i >= t of dgamma_i (gamma is a within-chunk prefix sum).
+      if (decays) {
+        for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
+        if (p.dg.data) {
+          if (diag) {
+            for (int64_t ch = 0; ch < K; ++ch) acc[ch] = 0;
+            for (int64_t i = c - 1; i >= 0; --i) {
+              T* dg = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs + i) * p.dg.stride[1] + hv * p.dg.stride[2];
+              for (int64_t ch = 0; ch < K; ++ch) dg[ch] = acc[ch] += dgam[i * Kp + ch];
+            }
+          } else {
+            T a = 0;
+            for (int64_t i = c - 1; i >= 0; --i) {
+              a += dotv(dgam + i * Kp, ones, K);
+              mptr<T>(p.dg)[b * p.dg.stride[0] + (t0 + cs + i) * p.dg.stride[1] + hv * p.dg.stride[2]] = a;
+            }
+          }
+        }
+      }
+      if (s.gain && p.dbeta.data)
+        for (int64_t i = 0; i < c; ++i)
+          mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
+              dbet[i];
+      // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands).
+      if (decays)
+        for (int64_t ch = 0; ch < K; ++ch)
+          for (int64_t e = 0; e < Vp; ++e) dS[ch * Vp + e] *= eC[ch];
+      if (online)
+        for (int64_t i = 0; i < c * Vp; ++i) dX[i] = -dX[i];
+      gemm(K, Vp, online ? C2 : Cp, QKdT, C2, dOX, Vp, dS, Vp, true);
+    }
+    if (p.dh0.data) {
+      T* dh0 = s.state(p.dh0, si, hv);
+      for (int64_t c = 0; c < K; ++c) std::memcpy(dh0 + c * p.dh0.stride[2], dS + c * Vp, size_t(Vd) * sizeof(T));
+    }
+  }
+
+  // 3. Reverse token pass: the preconditioner statistics (SPEC §2) and the L2 norm / scale (SPEC §1).
+  if (s.diag_pre && p.daT.data) {
+    const T* daT = cptr<T>(p.daT) + si * p.daT.stride[0] + h * p.daT.stride[1];
+    for (int64_t c = 0; c < K; ++c) dA[c] = daT[c];
+  }
+  double dctr = 0;
+  for (int64_t t = len - 1; t >= 0; --t) {
+    const int64_t ti = t0 + t;
+    const T* qn = Qn + t * Kp;
+    const T* kn = Kn + t * Kp;
+    const T* m = Mt + t * Kp;
+    const T* gq = dQr + t * Kp;
+    const T* gk = dKn + t * Kp;
+    const T* gw = dKW + t * Kp;
+    for (int64_t c = 0; c < K; ++c) {
+      dqn[c] = s.atq ? gq[c] * m[c] : gq[c];
+      dkn[c] = gk[c] + (s.atk ? gw[c] * m[c] : gw[c]);
+    }
+    if (s.diag_pre) {
+      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+      const T* cur = At + t * Kp;
+      const T* prev = t ? At + (t - 1) * Kp : A0;
+      const T* slope = Dt + t * Kp;
+      // dr = dM/dr (through M's slope), dAc = dL/dA_t; the gate sums are dots of these rows.
+      T* dr = dx;
+      T* dAc = qh;
+      for (int64_t c = 0; c < K; ++c) {
+        const T dmA = (s.atk ? gw[c] * kn[c] : gq[c] * qn[c]) * slope[c];
+        dr[c] = dmA * (cur[c] + s.eps);
+        dAc[c] = dA[c] + dmA;
+        dkn[c] += T(2) * bb * kn[c] * dAc[c];
+        dA[c] = a * dAc[c];
+      }
+      const T dc = -dotv(dr, ones, K), dgp = a * dotv(dAc, prev, K);
+      for (int64_t c = 0; c < K; ++c) dr[c] = kn[c] * kn[c];
+      const T dbp = dotv(dAc, dr, K);
+      dctr += double(dc);
+      if (p.dg_p.data) mptr<T>(p.dg_p)[b * p.dg_p.stride[0] + ti * p.dg_p.stride[1] + h * p.dg_p.stride[2]] = dgp;
+      if (p.dbeta_p.data)
+        mptr<T>(p.dbeta_p)[b * p.dbeta_p.stride[0] + ti * p.dbeta_p.stride[1] + h * p.dbeta_p.stride[2]] = dbp;
+    }
+    if (p.dq.data) {
+      // The normalised q: Qn / scale, or from the input row when scale is 0.
+      if (p.l2norm) {
+        if (s.scale != T(0)) {
+          const T inv = T(1) / s.scale;
+          for (int64_t c = 0; c < K; ++c) qh[c] = qn[c] * inv;
+        } else {
+          const T* x = s.qrow(b, ti, h);
+          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t];
+        }
+      }
+      norm_backward(qh, rq[t], K, p.l2norm, s.scale, dqn, dx);
+      std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
+                  size_t(K) * sizeof(T));
+    }
+    if (p.dk.data) {
+      norm_backward(kn, rk[t], K, p.l2norm, T(1), dkn, dx);
+      std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
+                  size_t(K) * sizeof(T));
+    }
+  }
+  if (s.diag_pre && p.da0.data) {
+    T* da0 = mptr<T>(p.da0) + si * p.da0.stride[0] + h * p.da0.stride[1];
+    for (int64_t c = 0; c < K; ++c) da0[c] = dA[c];
+  }
+  *dcenter_out = dctr;
+}
+
+/// The exported entry (IsaKernels::backward_task): backward_task_t for the call's element type.
+void backward_task(const KernelParams& p, int64_t task, double* dcenter) {
+  if (p.dtype == DType::f64)
+    backward_task_t<double>(p, task, dcenter);
+  else
+    backward_task_t<float>(p, task, dcenter);
+}
+
+}  // namespace
+}  // namespace dgps::cpu::kernels::DGPS_ISA_NS

@@ -1,0 +1,95 @@
+/// @brief The chunkwise forward's launch arguments (SPEC §4 on tensor cores) and its launcher.
+///
+/// The forward runs as up to five kernels on the caller's stream, all sized from host-known bounds so
+/// that nothing synchronises with the host (varlen chunk positions are resolved on the device):
+///   1. `chunk_map` (varlen only): the chunk list of a packed batch (sequence, chunk) and each
+///      sequence's first chunk.
+///   2. `precond_chunk_sums` and 3. `precond_scan` (diagonal preconditioners only): the statistics
+///      A_t of SPEC §2 at every chunk start, as a chunked first-order scan (SPEC §4).
+///   4. `intra_chunk`: everything inside a chunk that does not depend on the state, in parallel over
+///      (chunk, value head): normalised q, k, the write key kw or read query qr, the triangular solve
+///      Tm = (I + Akk)^{-1} Diag(beta) in float32, W = Tm (K ⊙ e^gamma), U = Tm V, the masked decayed
+///      block P = (Q KW^T) ⊙ e^(gamma_i - gamma_j), and gamma; products on tensor cores (bf16 or f16
+///      operands, float32 accumulation).
+///   5. `chunk_state`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
+///      O = Diag(e^gamma) Q S + P R, S <- e^gamma_C S + KW^T Diag(e^(gamma_C - gamma)) R with the state
+///      in float32 registers (its bf16 copy feeds the tensor cores); the decays scale accumulator rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "recurrent.cuh"
+
+namespace dgps::cuda::kernels {
+
+/// Chunk length of the CUDA chunkwise forward.
+constexpr int kChunk = 64;
+/// Key dimension capacity of the chunkwise kernels (K is zero-padded to it).
+constexpr int kChunkKeys = 128;
+/// Largest value dimension of the chunkwise kernels.
+constexpr int kChunkMaxV = 128;
+
+/// Tile layout of the chunkwise kernels (shared-memory sizes are known on the host, so a launch can
+/// pick the value-tile width that fits the device).
+namespace layout {
+constexpr int C = kChunk;
+constexpr int KP = kChunkKeys;
+constexpr int LDK = KP + 8;  ///< padded row of a C x 128 tile of 16-bit operands
+constexpr int LDC = C + 8;   ///< padded row of a C x C tile
+/// Bytes of the intra-chunk kernel's solve region: Akk's 16 x 16 diagonal blocks in float32, Akk
+/// and Tinv in f16 ([C][LDC] each) and four 16 x 24 f16 scratch tiles; the v tile reuses it.
+constexpr size_t kSolveBytes = sizeof(float) * 4 * 16 * 17 + sizeof(uint16_t) * (2 * C * LDC + 4 * 16 * 24);
+static_assert(kSolveBytes >= sizeof(uint16_t) * C * (kChunkMaxV + 8), "the v tile fits in the solve region");
+/// Dynamic shared memory of the intra-chunk kernel: q, k (and kw for DiagonalATK) tiles, Tm, the solve region.
+constexpr size_t intra_smem_bytes(bool atk) {
+  return sizeof(uint16_t) * ((atk ? 3 : 2) * C * LDK + C * LDC) + kSolveBytes;
+}
+/// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,
+/// KW (C x 128 each), U (C x VT), P (C x C) and gamma (C floats).
+constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 2 * C; }
+/// Dynamic shared memory of the state kernel: two tile buffers, the state's operand copy, R and
+/// R ⊙ e^(gamma_C - gamma).
+constexpr size_t state_smem_bytes(int VT) {
+  return sizeof(uint16_t) * (2 * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
+}
+}  // namespace layout
+
+/// Largest dynamic shared memory per block on the current device (opt-in), in bytes.
+size_t chunk_max_smem();
+
+/// Launch arguments of the chunkwise forward: the recurrent kernels' arguments plus the workspace.
+struct ChunkArgs {
+  RecArgs a;
+  int64_t chunks_per_seq = 0;  ///< ceil(T / C) when cu_seqlens is null
+  int64_t chunk_bound = 0;     ///< grid size in chunks: B * ceil(T / C), or ceil(T / C) + N with cu_seqlens
+  int Vpad = 0;                ///< V rounded up to 64 (row length of U in the workspace)
+  bool vec_qk = false;         ///< q and k rows can be read 16 bytes at a time (aligned, K % 8 == 0)
+  bool vec_v = false;          ///< v rows can be read 16 bytes at a time
+  // Workspace (device), laid out by chunk_workspace().
+  int2* map = nullptr;          ///< [chunk_bound] (sequence, chunk) of each global chunk, n = -1 past the end
+  int64_t* first = nullptr;     ///< [N + 1] first global chunk of each sequence
+  void *W = nullptr, *Qn = nullptr, *KWn = nullptr;  ///< [chunk_bound, HV, C, 128] operand type: W, q (qr), kw
+  void *U = nullptr, *P = nullptr;                    ///< [chunk_bound, HV, C, Vpad], [chunk_bound, HV, C, C]
+  float* gam = nullptr;         ///< [chunk_bound, HV, C] cumulative log decay gamma within the chunk
+  float2* sums = nullptr;       ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
+  float* Ain = nullptr;         ///< [chunk_bound, H, 128] statistics entering each chunk
+};
+
+/// Bytes of workspace the chunkwise forward needs; with `base` non-null, also points `c`'s workspace
+/// pointers into it (base must be 256-byte aligned).
+size_t chunk_workspace(ChunkArgs& c, void* base);
+
+/// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, decay None or
+/// Scalar, K <= 128, V <= 128, and the device has the shared memory of the smallest variant
+/// (about 142 kB per block: Hopper and A100 class GPUs).
+bool chunk_covers(const RecArgs& a);
+
+/// Launches the chunkwise forward for input type Tin (float, __nv_bfloat16 or __half). The tensor-core
+/// operands are f16 for __half inputs, bf16 otherwise. Names the variant in `impl`.
+template <class Tin>
+cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl);
+
+}  // namespace dgps::cuda::kernels

@@ -1,0 +1,6 @@
+/// @brief Instantiates the chunkwise forward kernels for f16 inputs (one file per input type so builds parallelise).
+#include "chunk_impl.cuh"
+
+namespace dgps::cuda::kernels {
+template cudaError_t launch_chunkwise<__half>(const ChunkArgs&, cudaStream_t, const char**);
+}  // namespace dgps::cuda::kernels

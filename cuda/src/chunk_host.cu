@@ -1,0 +1,48 @@
+/// @brief Host side of the chunkwise forward: coverage and the workspace layout.
+#include <algorithm>
+
+#include "chunk.cuh"
+
+namespace dgps::cuda::kernels {
+
+size_t chunk_max_smem() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<size_t>(bytes);
+}
+
+bool chunk_covers(const RecArgs& a) {
+  const size_t need = std::max(layout::intra_smem_bytes(true), layout::state_smem_bytes(16));
+  return a.decay != kDecayDiagonal && a.K <= kChunkKeys && a.V <= kChunkMaxV && chunk_max_smem() >= need;
+}
+
+size_t chunk_workspace(ChunkArgs& c, void* base) {
+  const RecArgs& a = c.a;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return base ? static_cast<char*>(base) + at : nullptr;
+  };
+  const size_t tiles = size_t(c.chunk_bound) * size_t(a.HV);
+  const size_t op = 2;  // bf16 or f16 operands
+  c.map = reinterpret_cast<int2*>(take(a.cu_seqlens ? sizeof(int2) * size_t(c.chunk_bound) : 0));
+  c.first = reinterpret_cast<int64_t*>(take(a.cu_seqlens ? sizeof(int64_t) * size_t(a.N + 1) : 0));
+  c.W = a.online ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
+  c.Qn = take(op * tiles * kChunk * kChunkKeys);
+  c.KWn = take(op * tiles * kChunk * kChunkKeys);
+  c.U = take(op * tiles * kChunk * size_t(c.Vpad));
+  c.P = take(op * tiles * kChunk * kChunk);
+  c.gam = reinterpret_cast<float*>(take(sizeof(float) * tiles * kChunk));
+  const bool diag = a.precond != kPrecondIdentity;
+  const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
+  c.sums = reinterpret_cast<float2*>(take(diag ? sizeof(float2) * stats : 0));
+  c.Ain = reinterpret_cast<float*>(take(diag ? sizeof(float) * stats : 0));
+  return off;
+}
+
+}  // namespace dgps::cuda::kernels

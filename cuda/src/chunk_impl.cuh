@@ -1,0 +1,813 @@
+/// @brief The chunkwise forward kernels (SPEC §4) on tensor cores: mma.sync m16n8k16, ldmatrix, float32 accumulation.
+///
+/// Fragment conventions (PTX ISA, mma.m16n8k16 with 16-bit operands), lane l of a warp:
+///   A (16 x 16, row-major): {a0,a1} = A[l/4][2(l%4)+{0,1}], {a2,a3} rows + 8, {a4,a5} cols + 8, {a6,a7} both.
+///   B (16 x 8):            {b0,b1} = B[2(l%4)+{0,1}][l/4], {b2,b3} rows + 8.
+///   C (16 x 8, float):     {c0,c1} = C[l/4][2(l%4)+{0,1}], {c2,c3} rows + 8.
+/// Shared-memory tiles are row-major with rows padded by 8 elements (16 bytes), so the eight 16-byte
+/// rows an ldmatrix phase reads fall in different banks.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "chunk.cuh"
+#include "recurrent_impl.cuh"
+
+// Internal linkage: each input type's translation unit has its own copy of the non-template kernels.
+namespace dgps::cuda::kernels::chunk {
+namespace {
+
+using namespace layout;
+constexpr int kThreads = 128;
+
+template <class Op>
+__device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+/// A fragment of the 16 x 16 block at (m0, k0) of a row-major [m][k] tile.
+template <class Op>
+__device__ __forceinline__ void load_a(uint32_t* f, const Op* s, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(f, s + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8);
+}
+/// A fragment of the 16 x 16 block at (m0, k0) of A = X^T with X stored row-major [k][m].
+template <class Op>
+__device__ __forceinline__ void load_a_t(uint32_t* f, const Op* s, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(f, s + (k0 + (l & 7) + (l >> 4) * 8) * ld + m0 + ((l >> 3) & 1) * 8);
+}
+/// B fragments of n-tiles n0 and n0 + 8 (f[0..1], f[2..3]) at k0, with B = Y^T and Y stored row-major [n][k].
+template <class Op>
+__device__ __forceinline__ void load_b(uint32_t* f, const Op* s, int ld, int n0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(f, s + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8);
+}
+/// B fragments of n-tiles n0 and n0 + 8 at k0, with B stored row-major [k][n].
+template <class Op>
+__device__ __forceinline__ void load_b_t(uint32_t* f, const Op* s, int ld, int k0, int n0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(f, s + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8);
+}
+
+/// Row and column of accumulator element e (0..3) of the 16 x 8 tile at (m0, n0).
+__device__ __forceinline__ int acc_row(int m0, int e) { return m0 + ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
+__device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x & 3) + (e & 1); }
+
+__device__ __forceinline__ int64_t imin64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+/// The squash of SPEC §2 with fast intrinsics (the chunkwise kernels' results carry 16-bit rounding).
+__device__ __forceinline__ float squash_fast(float A, float center, float log_x, float eps) {
+  const float ae = A + eps;
+  if (!(ae > 0.f)) return __expf(log_x);
+  const float r = __logf(ae) - center;
+  return __expf(-log_x * __fdividef(r, 1.f + fabsf(r)));
+}
+
+/// Stores two adjacent elements (an even column pair) with one 32-bit access.
+template <class Op>
+__device__ __forceinline__ void store2(Op* p, float x, float y) {
+  alignas(4) Op v[2] = {from_float<Op>(x), from_float<Op>(y)};
+  *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(v);
+}
+
+/// One warp copies 16 rows of `cols` 16-bit elements (cols % 8 == 0) from shared memory to global
+/// memory, 16 bytes per lane and step.
+template <class Op>
+__device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src, int sld, int cols) {
+  const int lane = threadIdx.x & 31, per_row = cols / 8;
+  for (int e = lane; e < 16 * per_row; e += 32) {
+    const int r = e / per_row, c8 = (e % per_row) * 8;
+    *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+  }
+}
+
+/// Where global chunk `gc` lies: its sequence, index in the sequence, tokens.
+struct ChunkPos {
+  int n = -1;           ///< sequence, -1 past the end of a packed batch
+  int64_t c = 0;        ///< chunk index within the sequence
+  int64_t b = 0;        ///< batch row
+  int64_t t0 = 0;       ///< first token (index along T of batch row b)
+  int L = 0;            ///< tokens in the chunk (1..C)
+};
+
+__device__ __forceinline__ ChunkPos chunk_pos(const ChunkArgs& ca, int64_t gc) {
+  ChunkPos p;
+  int64_t bos = 0, len = ca.a.T;
+  if (ca.a.cu_seqlens) {
+    const int2 m = ca.map[gc];
+    if (m.x < 0) return p;
+    p.n = m.x, p.c = m.y;
+    bos = ca.a.cu_seqlens[p.n];
+    len = ca.a.cu_seqlens[p.n + 1] - bos;
+  } else {
+    p.n = static_cast<int>(gc / ca.chunks_per_seq), p.c = gc % ca.chunks_per_seq;
+    p.b = p.n;
+  }
+  p.t0 = bos + p.c * C;
+  p.L = static_cast<int>(imin64(C, len - p.c * C));
+  return p;
+}
+
+/// First global chunk and number of chunks of sequence n; its first token and batch row.
+__device__ __forceinline__ void seq_chunks(const ChunkArgs& ca, int n, int64_t* first, int64_t* count, int64_t* len) {
+  if (ca.a.cu_seqlens) {
+    *first = ca.first[n];
+    *count = ca.first[n + 1] - *first;
+    *len = ca.a.cu_seqlens[n + 1] - ca.a.cu_seqlens[n];
+  } else {
+    *first = int64_t(n) * ca.chunks_per_seq;
+    *count = ca.chunks_per_seq;
+    *len = ca.a.T;
+  }
+}
+
+/// The chunk list of a packed batch: first[n] (prefix of ceil(len_n / C)) and map[gc] = (n, c).
+__global__ void chunk_map_kernel(const ChunkArgs ca) {
+  const int N = ca.a.N;
+  if (threadIdx.x == 0) {
+    int64_t s = 0;
+    for (int n = 0; n < N; ++n) {
+      ca.first[n] = s;
+      s += (ca.a.cu_seqlens[n + 1] - ca.a.cu_seqlens[n] + C - 1) / C;
+    }
+    ca.first[N] = s;
+  }
+  __syncthreads();
+  for (int n = threadIdx.x; n < N; n += blockDim.x)
+    for (int64_t c = 0, e = ca.first[n + 1] - ca.first[n]; c < e; ++c)
+      ca.map[ca.first[n] + c] = make_int2(n, static_cast<int>(c));
+  for (int64_t gc = ca.first[N] + threadIdx.x; gc < ca.chunk_bound; gc += blockDim.x) ca.map[gc] = make_int2(-1, 0);
+}
+
+/// Stages the chunk's rows of one head of a [B, T, heads, D] tensor into shared memory as operand
+/// type Op, row-major [C][ld], zero past L rows and past D columns (COLS >= D, a multiple of 16).
+/// `row0` points at the chunk's first row of that head, `rs` is the row (token) stride. With `vec`
+/// (16-byte aligned rows, D % 8 == 0) every thread issues all its loads before converting.
+template <class Tin, class Op, int COLS>
+__device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int64_t rs, int L, int D, bool vec) {
+  constexpr int PR = COLS / 8;                 // 8-element groups per row
+  constexpr int IT = C * PR / kThreads;        // groups per thread
+  constexpr int W = sizeof(Tin) * 8 / 16;      // 16-byte words per group (1, or 2 for float)
+  static_assert(C * PR % kThreads == 0, "tile must split evenly");
+  if (vec) {
+    uint4 raw[IT][W];
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int e = threadIdx.x + it * kThreads, r = e / PR, c8 = (e % PR) * 8;
+#pragma unroll
+      for (int w = 0; w < W; ++w)
+        raw[it][w] = (r < L && c8 < D) ? reinterpret_cast<const uint4*>(row0 + r * rs + c8)[w] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int e = threadIdx.x + it * kThreads, r = e / PR, c8 = (e % PR) * 8;
+      const Tin* x = reinterpret_cast<const Tin*>(raw[it]);
+      alignas(16) Op out[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) out[j] = from_float<Op>(to_float(x[j]));
+      *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(out);
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < C * PR; e += kThreads) {
+    const int r = e / PR, c8 = (e % PR) * 8;
+    alignas(16) Op out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      out[j] = from_float<Op>((r < L && c8 + j < D) ? to_float(row0[r * rs + c8 + j]) : 0.f);
+    *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+/// L2-normalises (SPEC §1) the C staged rows of x in place and multiplies them by `mul`: two
+/// threads per row (128 threads), 64 elements each, 16 bytes at a time. Without the norm only `mul` applies.
+template <class Op>
+__device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul) {
+  static_assert(KP == 128 && C * 2 == kThreads, "two threads per row of 128");
+  Op* row = x + (threadIdx.x >> 1) * LDK + (threadIdx.x & 1) * 64;
+  alignas(16) Op v[64];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    *reinterpret_cast<uint4*>(v + 8 * j) = *reinterpret_cast<const uint4*>(row + 8 * j);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += to_float(v[8 * j + i]) * to_float(v[8 * j + i]);
+  }
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+  const float f = (l2norm ? rsqrtf(ss + 1e-6f) : 1.f) * mul;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[8 * j + i] = from_float<Op>(to_float(v[8 * j + i]) * f);
+    *reinterpret_cast<uint4*>(row + 8 * j) = *reinterpret_cast<const uint4*>(v + 8 * j);
+  }
+}
+
+/// Per (chunk, key head), thread c = key channel: the chunk's effect on the diagonal statistics,
+/// A_out = prod(a) A_in + sum_j prod_{l > j}(a_l) beta_p,j k_j[c]^2 (SPEC §4), as (prod, sum).
+template <class Tin, class Op>
+__global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs ca) {
+  const RecArgs& a = ca.a;
+  __shared__ __align__(16) Op sK[C * LDK];
+  __shared__ float s_a[C], s_bp[C];
+  const int64_t gc = blockIdx.x;
+  const int h = blockIdx.y;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) return;
+  const Tin* k = static_cast<const Tin*>(a.k) + p.b * a.sk[0] + p.t0 * a.sk[1] + h * a.sk[2];
+  stage_rows<Tin, Op, KP>(sK, LDK, k, a.sk[1], p.L, a.K, ca.vec_qk);
+  const int tid = threadIdx.x;
+  if (tid < C && tid < p.L) {
+    const int64_t t = p.t0 + tid;
+    s_a[tid] = expf(load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype));
+    s_bp[tid] = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
+  }
+  __syncthreads();
+  normalise_rows(sK, a.l2norm, 1.f);
+  __syncthreads();
+  const int c = tid;
+  float prod = 1.f, sum = 0.f;
+  for (int r = 0; r < p.L; ++r) {
+    const float kn = to_float(sK[r * LDK + c]);
+    prod *= s_a[r];
+    sum = s_a[r] * sum + s_bp[r] * kn * kn;
+  }
+  ca.sums[(gc * a.H + h) * KP + c] = make_float2(prod, sum);
+}
+
+/// Per (sequence, key head), thread c: the statistics entering each chunk (from a0 or 0), and aT.
+__global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs ca) {
+  const RecArgs& a = ca.a;
+  const int n = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  float A = (a.a0 && c < a.K) ? a.a0[int64_t(n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+  constexpr int kAhead = 16;  // chunk sums loaded per round trip (the scan itself is a cheap FMA chain)
+  for (int64_t i0 = 0; i0 < count; i0 += kAhead) {
+    float2 s[kAhead];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j)
+      s[j] = i0 + j < count ? ca.sums[((first + i0 + j) * a.H + h) * KP + c] : make_float2(1.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (i0 + j < count) ca.Ain[((first + i0 + j) * a.H + h) * KP + c] = A;
+      A = s[j].x * A + s[j].y;
+    }
+  }
+  if (a.aT && c < a.K) a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = A;
+}
+
+/// One warp's 16 rows of Tm X (Tm's A fragments in `fa`, X row-major [C][ldx] with `cols` columns):
+/// the rows go through `stage` (16 rows of LDK) and out to `dst` (row stride gld) 16 bytes at a time.
+template <class Op>
+__device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Op* stage, Op* dst,
+                                         int64_t gld) {
+#pragma unroll 1
+  for (int n0 = 0; n0 < cols; n0 += 16) {
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t fb[4];
+      load_b_t(fb, X, ldx, kk * 16, n0);
+      mma<Op>(acc[0], fa[kk], fb);
+      mma<Op>(acc[1], fa[kk], fb + 2);
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) store2(stage + acc_row(0, e) * LDK + acc_col(n0 + 8 * s, e), acc[s][e], acc[s][e + 1]);
+  }
+  __syncwarp();
+  copy_rows16(dst, gld, stage, LDK, cols);
+}
+
+/// Dynamic shared memory of the intra-chunk kernel: q, k (and kw for DiagonalATK) tiles, Tm, and a
+/// float32 region holding Akk and its inverse, later reused for the v tile.
+
+/// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
+/// owns rows 16w .. 16w + 15 of every C-row product.
+template <class Tin, class Op>
+__global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) {
+  const RecArgs& a = ca.a;
+  const int LDV = ca.Vpad + 8;
+  const bool has_p = a.precond != kPrecondIdentity, atk = a.precond == kPrecondATK;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* sQ = reinterpret_cast<Op*>(smem);  // [C][LDK] normalised, scaled q (qr for DiagonalATQ)
+  Op* sK = sQ + C * LDK;                 // [C][LDK] read key k, later k ⊙ e^gamma
+  Op* sKWb = sK + C * LDK;               // [C][LDK] write key kw (DiagonalATK only)
+  Op* sTm = sKWb + (atk ? C * LDK : 0);  // [C][LDC]
+  float* sAd = reinterpret_cast<float*>(sTm + C * LDC);  // [4][16][17] Akk's diagonal blocks (float32)
+  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
+  __half* sTh = sAh + C * LDC;                                  // [C][LDC] Tinv (lower block triangle)
+  __half* sXh = sTh + C * LDC;                                  // [4][16][24] per-warp scratch
+  Op* sV = reinterpret_cast<Op*>(sAd);                          // [C][LDV] over the solve region once Tm is formed
+  __shared__ float s_gam[C], s_beta[C], s_gp[C], s_bp[C], s_eg[C];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t gc = blockIdx.x;
+  const int hv = blockIdx.y, h = hv / a.group;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) return;
+  const int L = p.L;
+  Op* sKW = atk ? sKWb : sK;
+  const Tin* q = static_cast<const Tin*>(a.q);
+  const Tin* k = static_cast<const Tin*>(a.k);
+  const Tin* v = static_cast<const Tin*>(a.v);
+
+  // Gates of the chunk's tokens; rows past L: g = 0, beta = 0 (they write nothing).
+  if (tid < C) {
+    float g = 0.f, be = 0.f, gp = 1.f, bp = 0.f;  // gp holds exp(g_p)
+    if (tid < L) {
+      const int64_t t = p.t0 + tid;
+      if (a.decay == kDecayScalar) g = load_gate(a.g, p.b * a.sg[0] + t * a.sg[1] + hv * a.sg[2], a.gate_dtype);
+      be = a.beta ? load_gate(a.beta, p.b * a.sbeta[0] + t * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype) : 1.f;
+      if (has_p) {
+        gp = expf(load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype));
+        bp = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
+      }
+    }
+    s_gam[tid] = g, s_beta[tid] = be, s_gp[tid] = gp, s_bp[tid] = bp;
+  }
+  // Raw q, k, v rows, then q and k normalised in place (q also scaled).
+  {
+    const int64_t t0 = p.t0;
+    stage_rows<Tin, Op, KP>(sQ, LDK, q + p.b * a.sq[0] + t0 * a.sq[1] + h * a.sq[2], a.sq[1], L, a.K, ca.vec_qk);
+    stage_rows<Tin, Op, KP>(sK, LDK, k + p.b * a.sk[0] + t0 * a.sk[1] + h * a.sk[2], a.sk[1], L, a.K, ca.vec_qk);
+  }
+  __syncthreads();
+  normalise_rows(sQ, a.l2norm, a.scale);
+  normalise_rows(sK, a.l2norm, 1.f);
+  if (warp == 0) {  // gamma: cumulative log decay within the chunk (warp scan, two tokens per lane)
+    float g0 = s_gam[2 * lane], g1 = g0 + s_gam[2 * lane + 1];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const float up = __shfl_up_sync(0xffffffffu, g1, d);
+      if (lane >= d) g0 += up, g1 += up;
+    }
+    s_gam[2 * lane] = g0, s_gam[2 * lane + 1] = g1;
+  }
+  __syncthreads();
+  if (tid < C) s_eg[tid] = __expf(s_gam[tid]);
+  // Diagonal preconditioner: thread c scans channel c's statistics from the chunk's entry value.
+  if (has_p) {
+    const int c = tid;
+    Op* out = (atk ? sKWb : sQ) + c;  // column c of kw (DiagonalATK) or qr (DiagonalATQ)
+    if (c < a.K) {
+      float A = ca.Ain[(gc * a.H + h) * KP + c];
+      const float center = load_gate(a.center, h, a.gate_dtype);
+#pragma unroll 4
+      for (int r = 0; r < L; ++r) {
+        const float kn = to_float(sK[r * LDK + c]);
+        A = s_gp[r] * A + s_bp[r] * kn * kn;  // s_gp holds exp(g_p)
+        const float M = squash_fast(A, center, a.log_x, a.eps);
+        out[r * LDK] = from_float<Op>((atk ? kn : to_float(out[r * LDK])) * M);
+      }
+    }
+    if (atk)  // rows past L and columns past K of kw are zero (q's already are)
+      for (int r = c < a.K ? L : 0; r < C; ++r) out[r * LDK] = from_float<Op>(0.f);
+  }
+  __syncthreads();
+
+  // Akk = beta_i (K KW^T)_ij e^(gamma_i - gamma_j) (j < i) and P = (Q KW^T)_ij e^(gamma_i - gamma_j) (j <= i).
+  const int m0 = warp * 16;
+  {
+    float accA[8][4], accP[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accA[i][e] = accP[i][e] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < KP; k0 += 16) {
+      uint32_t fk[4], fq[4];
+      load_a(fk, sK, LDK, m0, k0);
+      load_a(fq, sQ, LDK, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        if (nt * 8 > m0 + 15) break;  // above the diagonal: masked anyway
+        uint32_t fb[4];
+        load_b(fb, sKW, LDK, nt * 8, k0);
+        if (a.online) {
+          mma<Op>(accA[nt], fk, fb);
+          mma<Op>(accA[nt + 1], fk, fb + 2);
+        }
+        mma<Op>(accP[nt], fq, fb);
+        mma<Op>(accP[nt + 1], fq, fb + 2);
+      }
+    }
+    Op* P = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
+        const float d0 = j <= i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
+        const float d1 = j + 1 <= i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
+        store2(sTm + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
+        if (a.online) {
+          const float x0 = j < i ? s_beta[i] * accA[nt][e] * d0 : 0.f;
+          const float x1 = j + 1 < i ? s_beta[i] * accA[nt][e + 1] * d1 : 0.f;
+          if (j / 16 == i / 16) {
+            sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16] = x0;
+            sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
+          } else if (j / 16 < i / 16) {
+            sAh[i * LDC + j] = __float2half_rn(x0);
+            sAh[i * LDC + j + 1] = __float2half_rn(x1);
+          }
+        }
+      }
+    __syncwarp();
+    copy_rows16(P + m0 * C, C, sTm + m0 * LDC, LDC, C);
+  }
+  __syncthreads();
+
+  // Tinv = (I + Akk)^{-1} (unit lower triangular): the 16 x 16 diagonal blocks by substitution in
+  // float32 (warp w, lane = column), then, one row of blocks at a time, the blocks below them on
+  // tensor cores (f16 operands, float32 accumulation; warp bj computes block (bi, bj)):
+  // T[bi][bj] = -T[bi][bi] sum_{l=bj}^{bi-1} A[bi][l] T[l][bj].
+  if (a.online) {
+    if (lane < 16) {
+      const float* Ad = sAd + warp * 272;
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float s = i == lane ? 1.f : 0.f;
+#pragma unroll
+        for (int l = 0; l < i; ++l) s -= Ad[i * 17 + l] * x[l];
+        x[i] = s;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sTh[(warp * 16 + i) * LDC + warp * 16 + lane] = __float2half_rn(x[i]);
+    }
+    __syncthreads();
+    __half* X = sXh + warp * 16 * 24;
+    for (int bi = 1; bi < 4; ++bi) {
+      if (warp < bi) {
+        const int bj = warp;
+        float acc[2][4] = {};
+        for (int lb = bj; lb < bi; ++lb) {
+          uint32_t fa[4], fb[4];
+          load_a(fa, sAh, LDC, bi * 16, lb * 16);
+          load_b_t(fb, sTh, LDC, lb * 16, bj * 16);
+          mma<__half>(acc[0], fa, fb);
+          mma<__half>(acc[1], fa, fb + 2);
+        }
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) store2(X + acc_row(0, e) * 24 + acc_col(8 * t, e), acc[t][e], acc[t][e + 1]);
+        __syncwarp();
+        float y[2][4] = {};
+        uint32_t fa[4], fb[4];
+        load_a(fa, sTh, LDC, bi * 16, bi * 16);
+        load_b_t(fb, X, 24, 0, 0);
+        mma<__half>(y[0], fa, fb);
+        mma<__half>(y[1], fa, fb + 2);
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2)
+            store2(sTh + acc_row(bi * 16, e) * LDC + acc_col(bj * 16 + 8 * t, e), -y[t][e], -y[t][e + 1]);
+        __syncwarp();
+      }
+      __syncthreads();
+    }
+  }
+  // Tm = Tinv Diag(beta) (Offline: Diag(beta)).
+  for (int e = tid; e < C * C / 8; e += kThreads) {
+    const int i = e / (C / 8), j0 = (e % (C / 8)) * 8;
+    alignas(16) Op t8[8];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = j0 + jj;
+      const float t = i == j ? 1.f : (a.online && i > j ? __half2float(sTh[i * LDC + j]) : 0.f);
+      t8[jj] = from_float<Op>(t * s_beta[j]);
+    }
+    *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = *reinterpret_cast<const uint4*>(t8);
+  }
+  __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
+  // Q (or qr) and KW to the workspace with the chunk's gamma (the state pass applies the decays to
+  // its accumulator rows), then K ⊙ e^gamma in place for W.
+  const int64_t tile = (gc * a.HV + hv) * C * KP;
+  Op* Qn = static_cast<Op*>(ca.Qn) + tile;
+  Op* KWn = static_cast<Op*>(ca.KWn) + tile;
+  for (int e = tid; e < C * KP / 8; e += kThreads) {
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+    *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+    *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+  }
+  if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
+  __syncthreads();
+  for (int e = tid; e < C * KP / 8; e += kThreads) {
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+    alignas(16) Op xk[8];
+    *reinterpret_cast<uint4*>(xk) = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xk[j] = from_float<Op>(to_float(xk[j]) * s_eg[r]);
+    *reinterpret_cast<uint4*>(sK + r * LDK + c8) = *reinterpret_cast<const uint4*>(xk);
+  }
+  {  // v rows into the (now free) Akk / inverse region
+    const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
+    if (ca.Vpad == 64)
+      stage_rows<Tin, Op, 64>(sV, LDV, v0, a.sv[1], L, a.V, ca.vec_v);
+    else
+      stage_rows<Tin, Op, 128>(sV, LDV, v0, a.sv[1], L, a.V, ca.vec_v);
+  }
+  __syncthreads();
+
+  // U = Tm V and W = Tm (K ⊙ e^gamma): warp w's 16 rows, k over the chunk's C tokens.
+  uint32_t fa[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) load_a(fa[kk], sTm, LDC, m0, kk * 16);
+  // Results go through this warp's 16 rows of the (no longer needed) q tile, then out 16 bytes at a time.
+  Op* stage = sQ + m0 * LDK;
+  tm_times<Op>(fa, sV, LDV, ca.Vpad, stage, static_cast<Op*>(ca.U) + (gc * a.HV + hv) * C * ca.Vpad + m0 * ca.Vpad,
+               ca.Vpad);
+  if (a.online) {
+    __syncwarp();
+    tm_times<Op>(fa, sK, LDK, KP, stage, static_cast<Op*>(ca.W) + tile + m0 * KP, KP);
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/// Starts the asynchronous copy of `rows` rows of COLS 16-bit elements from global (row stride gld)
+/// to shared memory (row stride sld), 16 bytes per copy.
+template <int COLS, class Op>
+__device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
+  constexpr int PR = COLS / 8;
+  for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+    const int r = e / PR, c8 = (e % PR) * 8;
+    cp_async16(dst + r * sld + c8, src + r * gld + c8);
+  }
+}
+
+/// Per (sequence, value head, VT value columns): the sequential pass over the sequence's chunks, on
+/// WARPS warps. The float32 state rows RW w .. RW w + RW - 1 (RW = 128 / WARPS) live in warp w's
+/// accumulators, its operand copy in sS. In the C-row products warp w owns rows 16 (w % 4) .. + 15
+/// and the value columns of group w / 4. The next chunk's tiles are copied (cp.async) while the
+/// current one is computed.
+template <class Tin, class Op, int VT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
+  const RecArgs& a = ca.a;
+  constexpr int LDV = VT + 8;
+  constexpr int NT = VT / 8;                 // n-tiles of the state
+  constexpr int RW = KP / WARPS, MT = RW / 16;  // state rows and m-tiles per warp
+  constexpr int CG = WARPS / 4;              // column groups of the C-row products
+  constexpr int NTW = NT / CG;               // their n-tiles per warp
+  static_assert(NTW % 2 == 0 && MT >= 1, "tile split");
+  constexpr int BUF = state_buffer_elems(VT);
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* sBuf = reinterpret_cast<Op*>(smem);  // 2 x {W, Q, KW [C][LDK], U [C][LDV], P [C][LDC], gamma [C] float}
+  Op* sS = sBuf + 2 * BUF;                 // [KP][LDV]
+  Op* sR = sS + KP * LDV;                  // [C][LDV] R = U - W S
+  Op* sRs = sR + C * LDV;                  // [C][LDV] R ⊙ e^(gamma_C - gamma), zero past L
+
+  const int warp = threadIdx.x >> 5;
+  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT;
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
+
+  auto issue = [&](int64_t ci) {
+    Op* buf = sBuf + (ci & 1) * BUF;
+    const int64_t tile = ((first + ci) * a.HV + hv) * C;
+    if (a.online) copy_tile_async<KP>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
+    copy_tile_async<KP>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
+    copy_tile_async<C>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
+    // gamma: C floats = 2 C 16-bit elements, one row
+    copy_tile_async<2 * C>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
+                           reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+    cp_commit();
+  };
+  if (count > 0) issue(0);
+
+  float S[MT][NT][4];
+  // f(state element, its row, its global value column) for every accumulator element of this thread.
+  auto each_state = [&](auto&& f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(S[mt][nt][e], acc_row(RW * warp + 16 * mt, e), v0 + acc_col(8 * nt, e));
+  };
+  each_state([&](float& x, int row, int col) {
+    x = (a.h0 && row < a.K && col < a.V) ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + row * a.sh0[2] + col] : 0.f;
+    sS[row * LDV + col - v0] = from_float<Op>(x);
+  });
+  Tin* o = static_cast<Tin*>(a.o);
+  const int m0 = 16 * (warp % 4), c0 = (warp / 4) * NTW * 8;
+  for (int64_t ci = 0; ci < count; ++ci) {
+    const int L = static_cast<int>(imin64(C, len - ci * C));
+    if (ci + 1 < count) {
+      issue(ci + 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const Op* sW = sBuf + (ci & 1) * BUF;
+    const Op* sQ = sW + C * LDK;
+    const Op* sKW = sW + 2 * C * LDK;
+    const Op* sU = sW + 3 * C * LDK;
+    const Op* sP = sU + C * LDV;
+    const float* sG = reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens
+    const float gl = sG[L - 1], gC = __expf(gl);
+    // R = U - W S and Q S for rows m0 .. m0 + 15.
+    float ws[NTW][4], acc_o[NTW][4];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ws[nt][e] = acc_o[nt][e] = 0.f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < KP; k0 += 16) {
+      uint32_t fw[4], fq[4];
+      load_a(fq, sQ, LDK, m0, k0);
+      if (a.online) load_a(fw, sW, LDK, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < NTW; nt += 2) {
+        uint32_t fb[4];
+        load_b_t(fb, sS, LDV, k0, c0 + nt * 8);
+        mma<Op>(acc_o[nt], fq, fb);
+        mma<Op>(acc_o[nt + 1], fq, fb + 2);
+        if (a.online) {
+          mma<Op>(ws[nt], fw, fb);
+          mma<Op>(ws[nt + 1], fw, fb + 2);
+        }
+      }
+    }
+    // Rows i of O get e^gamma_i (O = (Q ⊙ e^gamma) S + P R); R's copy for the state update gets
+    // e^(gamma_C - gamma_i), zero past L.
+    const int ra = acc_row(m0, 0), rb = ra + 8;
+    const float eo[2] = {__expf(sG[ra]), __expf(sG[rb])};
+    const float es[2] = {ra < L ? __expf(gl - sG[ra]) : 0.f, rb < L ? __expf(gl - sG[rb]) : 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = acc_row(m0, e), j = acc_col(c0 + 8 * nt, e);
+        const float r0 = to_float(sU[i * LDV + j]) - ws[nt][e], r1 = to_float(sU[i * LDV + j + 1]) - ws[nt][e + 1];
+        store2(sR + i * LDV + j, r0, r1);
+        store2(sRs + i * LDV + j, r0 * es[e >> 1], r1 * es[e >> 1]);
+        acc_o[nt][e] *= eo[e >> 1], acc_o[nt][e + 1] *= eo[e >> 1];
+      }
+    __syncthreads();
+    // O += P R.
+#pragma unroll
+    for (int k0 = 0; k0 < C; k0 += 16) {
+      uint32_t fp[4];
+      load_a(fp, sP, LDC, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < NTW; nt += 2) {
+        uint32_t fb[4];
+        load_b_t(fb, sR, LDV, k0, c0 + nt * 8);
+        mma<Op>(acc_o[nt], fp, fb);
+        mma<Op>(acc_o[nt + 1], fp, fb + 2);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = acc_row(m0, e), col = v0 + acc_col(c0 + 8 * nt, e);
+        if (i < L && col < a.V)
+          o[b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col] = from_float<Tin>(acc_o[nt][e]);
+      }
+    // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= gC;
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 16) {
+        uint32_t fk[4];
+        load_a_t(fk, sKW, LDK, RW * warp + 16 * mt, k0);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t fb[4];
+          load_b_t(fb, sRs, LDV, k0, nt * 8);
+          mma<Op>(S[mt][nt], fk, fb);
+          mma<Op>(S[mt][nt + 1], fk, fb + 2);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done reading sS, sR, sRs and this chunk's buffer
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          store2(sS + acc_row(RW * warp + 16 * mt, e) * LDV + acc_col(8 * nt, e), S[mt][nt][e], S[mt][nt][e + 1]);
+  }
+  if (a.hT)
+    each_state([&](float& x, int row, int col) {
+      if (row < a.K && col < a.V) a.hT[int64_t(n) * a.shT[0] + hv * a.shT[1] + row * a.shT[2] + col] = x;
+    });
+}
+
+/// Sets the dynamic shared memory limit of kernel `f` once per process.
+template <class F>
+cudaError_t allow_smem(F* f, size_t bytes) {
+  return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <class Tin, class Op, int VT, int WARPS = 4>
+cudaError_t launch_state(const ChunkArgs& ca, cudaStream_t stream) {
+  constexpr size_t bytes = state_smem_bytes(VT);
+  static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS>, bytes);
+  if (set != cudaSuccess) return set;
+  const dim3 grid(ca.Vpad / VT, ca.a.HV, ca.a.N);
+  state_kernel<Tin, Op, VT, WARPS><<<grid, WARPS * 32, bytes, stream>>>(ca);
+  return cudaGetLastError();
+}
+
+template <class Tin, class Op>
+cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
+  const RecArgs& a = ca.a;
+  if (ca.chunk_bound == 0) return cudaSuccess;
+  if (a.cu_seqlens) chunk_map_kernel<<<1, 256, 0, stream>>>(ca);
+  if (a.precond != kPrecondIdentity) {
+    precond_sums_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.H), kThreads, 0, stream>>>(ca);
+    precond_scan_kernel<<<dim3(a.N, a.H), kThreads, 0, stream>>>(ca);
+  }
+  const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK);
+  static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true));
+  if (set != cudaSuccess) return set;
+  intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  // Value tile: the widest that still gives every SM a block (one block per SM fits).
+  int sms = 132;
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t heads = int64_t(a.N) * a.HV;
+  const size_t smem = chunk_max_smem();
+  if (ca.Vpad == 128 && heads >= sms * 9 / 10 && state_smem_bytes(128) <= smem) {  // one block per head
+    *impl = "cuda/chunkwise/v128";
+    return launch_state<Tin, Op, 128, 8>(ca, stream);
+  }
+  if (heads * (ca.Vpad / 64) >= sms && state_smem_bytes(64) <= smem) {
+    *impl = "cuda/chunkwise/v64";
+    return launch_state<Tin, Op, 64>(ca, stream);
+  }
+  if (heads * (ca.Vpad / 32) >= sms && state_smem_bytes(32) <= smem) {
+    *impl = "cuda/chunkwise/v32";
+    return launch_state<Tin, Op, 32>(ca, stream);
+  }
+  *impl = "cuda/chunkwise/v16";
+  return launch_state<Tin, Op, 16>(ca, stream);
+}
+
+}  // namespace
+}  // namespace dgps::cuda::kernels::chunk
+
+namespace dgps::cuda::kernels {
+
+template <class Tin>
+cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl) {
+  using Op = std::conditional_t<std::is_same_v<Tin, __half>, __half, __nv_bfloat16>;
+  return chunk::launch_all<Tin, Op>(c, stream, impl);
+}
+
+}  // namespace dgps::cuda::kernels
