@@ -2,16 +2,17 @@
 ///
 /// The forward runs as up to five kernels on the caller's stream, all sized from host-known bounds so
 /// that nothing synchronises with the host (varlen chunk positions are resolved on the device):
-///   1. `chunk_map` (varlen only): the chunk list of a packed batch (sequence, chunk) and each
+///   1. `chunk_map_kernel` (varlen only): the chunk list of a packed batch (sequence, chunk) and each
 ///      sequence's first chunk.
-///   2. `precond_chunk_sums` and 3. `precond_scan` (diagonal preconditioners only): the statistics
+///   2. `precond_sums_kernel` and 3. `precond_scan_kernel` (diagonal preconditioners only): the statistics
 ///      A_t of SPEC §2 at every chunk start, as a chunked first-order scan (SPEC §4).
-///   4. `intra_chunk`: everything inside a chunk that does not depend on the state, in parallel over
+///   4. `intra_kernel`: everything inside a chunk that does not depend on the state, in parallel over
 ///      (chunk, value head): normalised q, k, the write key kw or read query qr, the triangular solve
-///      Tm = (I + Akk)^{-1} Diag(beta) in float32, W = Tm (K ⊙ e^gamma), U = Tm V, the masked decayed
+///      Tm = (I + Akk)^{-1} Diag(beta) (16 x 16 diagonal blocks by float32 substitution, the blocks
+///      below them merged on tensor cores with f16 operands), W = Tm (K ⊙ e^gamma), U = Tm V, the masked decayed
 ///      block P = (Q KW^T) ⊙ e^(gamma_i - gamma_j), and gamma; products on tensor cores (bf16 or f16
 ///      operands, float32 accumulation).
-///   5. `chunk_state`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
+///   5. `state_kernel`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
 ///      O = Diag(e^gamma) Q S + P R, S <- e^gamma_C S + KW^T Diag(e^(gamma_C - gamma)) R with the state
 ///      in float32 registers (its bf16 copy feeds the tensor cores); the decays scale accumulator rows.
 #pragma once
