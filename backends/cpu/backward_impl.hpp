@@ -1,6 +1,6 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
-/// Included by kernel_impl.hpp after its primitives (gemm, lower_solve, exp_v, squash_inplace, Setup,
+/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, squash_inplace, Setup,
 /// Scratch), into the same per-ISA anonymous namespace. One task per (sequence n, key head h):
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
 ///     read queries / write keys (as the forward kernel does);
@@ -76,33 +76,6 @@ struct RawScratch {
   RawScratch(const RawScratch&) = delete;
   RawScratch& operator=(const RawScratch&) = delete;
 };
-
-/// Solves (I + A)^T X = R in place for a strictly lower-triangular A (rows of `lda`) by backward
-/// substitution: X_i = R_i - sum_{j > i} A[j][i] X_j. R is m x n (n a multiple of the vector length).
-template <class T>
-void upper_solve_t(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::L;
-  constexpr int NB = 8;
-  for (int64_t e0 = 0; e0 < n; e0 += NB * L) {
-    const int nb = int(imin(NB, (n - e0) / L));
-    for (int64_t i = m - 2; i >= 0; --i) {
-      V acc[NB];
-      T* ri = R + i * ldr + e0;
-      for (int v = 0; v < NB; ++v) acc[v] = v < nb ? vload(ri + v * L) : V{};
-      for (int64_t j = i + 1; j < m; ++j) {
-        const T a = A[j * lda + i];
-        const T* rj = R + j * ldr + e0;
-        if (nb == NB) {
-          for (int v = 0; v < NB; ++v) acc[v] -= a * vload(rj + v * L);
-        } else {
-          for (int v = 0; v < nb; ++v) acc[v] -= a * vload(rj + v * L);
-        }
-      }
-      for (int v = 0; v < nb; ++v) vstore(ri + v * L, acc[v]);
-    }
-  }
-}
 
 /// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
 /// Same layout rules as `gemm` (n a multiple of the vector length).
@@ -482,7 +455,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         for (int64_t i = 0; i < c; ++i)
           for (int64_t e = 0; e < Vp; ++e) R[i * Vp + e] = Bt[i] * Vb[i * Vp + e] - G[i * Vp + e];
         make_akk(c, Bm);
-        lower_solve(c, Vp, Akk, Cp, R, Vp);
+        unit_solve(c, Vp, Akk, Cp, R, Vp, false);
       } else {
         for (int64_t i = 0; i < c; ++i)
           for (int64_t e = 0; e < Vp; ++e) R[i * Vp + e] = Bt[i] * Vb[i * Vp + e];
@@ -536,7 +509,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       gemm(c, Vp, K, KWd, Kp, dS, Vp, dX, Vp, true);
       if (online) {
         make_akk(c, Bm);
-        upper_solve_t(c, Vp, Akk, Cp, dX, Vp);
+        unit_solve(c, Vp, Akk, Cp, dX, Vp, true);
       }
       // X = beta V - Kd S_in: dv = beta dX, dbeta += V . dX.
       for (int64_t i = 0; i < c; ++i) {

@@ -434,23 +434,28 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-/// Solves (I + A) R = R in place for a unit lower-triangular A (rows of `lda`, strictly lower part
-/// used) by forward substitution; R is m x n (n a multiple of the vector length, row stride `ldr`).
-/// Each row's block of up to 8 vectors stays in registers while the earlier rows stream past.
+/// Unit-triangular substitution in place on the m x n rows of R (n a multiple of the vector length,
+/// row stride `ldr`) for a strictly lower-triangular A (rows of `lda`): with `transposed` false it
+/// solves (I + A) X = R forward, X_i = R_i - sum_{j < i} A[i][j] X_j; with `transposed` true it solves
+/// (I + A)^T X = R backward, X_i = R_i - sum_{j > i} A[j][i] X_j. Each row's block of up to 8 vectors
+/// stays in registers while the other rows stream past.
 template <class T>
-void lower_solve(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr) {
+void unit_solve(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr, bool transposed) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   constexpr int NB = 8;
+  // Coefficient of row j in row i's update: A[i][j] (forward) or A[j][i] (transposed).
+  const int64_t si = transposed ? 1 : lda, sj = transposed ? lda : 1;
   for (int64_t e0 = 0; e0 < n; e0 += NB * L) {
     const int nb = int(imin(NB, (n - e0) / L));
-    for (int64_t i = 1; i < m; ++i) {
+    for (int64_t r = 1; r < m; ++r) {
+      const int64_t i = transposed ? m - 1 - r : r;
+      const int64_t j0 = transposed ? i + 1 : 0, j1 = transposed ? m : i;
       V acc[NB];
       T* ri = R + i * ldr + e0;
       for (int v = 0; v < NB; ++v) acc[v] = v < nb ? vload(ri + v * L) : V{};
-      const T* ai = A + i * lda;
-      for (int64_t j = 0; j < i; ++j) {
-        const T a = ai[j];
+      for (int64_t j = j0; j < j1; ++j) {
+        const T a = A[i * si + j * sj];
         const T* rj = R + j * ldr + e0;
         if (nb == NB) {
           for (int v = 0; v < NB; ++v) acc[v] -= a * vload(rj + v * L);
@@ -743,7 +748,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       }
     }
     // 7. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
-    if (s.online) lower_solve(c, Vp, Akk, Cp, R, Vp);
+    if (s.online) unit_solve(c, Vp, Akk, Cp, R, Vp, false);
     // 8. O = Qd S_in + (Aqk ⊙ causal) R.
     T* Og = G + c * Vp;
     gemm(c, Vp, c, Aqk, Cp, R, Vp, Og, Vp, true, Tri::a_lower);
