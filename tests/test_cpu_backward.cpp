@@ -13,11 +13,6 @@ using namespace dgps_test;
 
 namespace {
 
-namespace dk = dgps::decay;
-namespace gk = dgps::gain;
-namespace pk = dgps::precond;
-namespace sk = dgps::solve;
-
 /// CPU backend, chunkwise algorithm, chunk size `chunk`.
 dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   dgps::Options o = on(dgps::Backend::cpu, threads);

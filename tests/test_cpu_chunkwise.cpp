@@ -14,9 +14,6 @@ using namespace dgps_test;
 namespace {
 
 namespace dk = dgps::decay;
-namespace gk = dgps::gain;
-namespace pk = dgps::precond;
-namespace sk = dgps::solve;
 
 const char* const kIsas[] = {"generic", "avx2", "avx512"};
 
