@@ -1,13 +1,16 @@
-/// @brief dgps::cuda benchmark: forward and decode of the issue's shapes, CUDA events, median of 30 runs.
+/// @brief dgps::cuda benchmark: forward, forward + backward and decode of the issue's shapes; CUDA events, median.
 ///
 /// Prints one CSV row per case (`impl,model,case,B,T,H,HV,K,V,ms,tokens_per_s,tflops,gbps,copy_frac`)
 /// and writes the same rows to argv[1] when given. FLOPs count the recurrent form, 6*K*V per token
-/// and value head (S^T k, the rank-1 write, S^T q); bytes count the unavoidable traffic: every input
-/// read once, o and the final states written once (decode: the state read and written).
+/// and value head (S^T k, the rank-1 write, S^T q) for a forward and twice that for a backward;
+/// bytes count the unavoidable traffic: every input read once, o and the final states written once
+/// (decode: the state read and written; backward: the inputs and do read, the gradients written).
+/// Backward rows also record the bytes of workspace dgps::cuda::backward needs (`mem_bytes`).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -85,6 +88,7 @@ struct Row {
   int64_t B, T, H, HV, K, V;
   double ms, bytes, flops;
   std::string impl;
+  size_t mem_bytes = 0;  ///< backward rows: dgps::cuda::backward_workspace_bytes (0 otherwise)
 };
 std::vector<Row> g_rows;
 
@@ -185,6 +189,51 @@ void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K
         K, V, ms, bytes, 6.0 * K * V * H * B * T, impl});
 }
 
+/// Forward + backward (every gradient, no dhT/daT: a training step's recurrence) and backward alone,
+/// bf16 q/k/v/o/do, float32 gates, K = V = 128, one workspace reused by both calls.
+void bench_backward(const char* model, int64_t B, int64_t T, int64_t H) {
+  using dgps::cuda::Tensor;
+  const int64_t K = 128, V = 128;
+  Problem pr;
+  setup(pr, model, B, T, H, H, K, V, 3);
+  const dgps::cuda::Params& p = pr.p;
+  const double fwd_bytes = pr.in_bytes + 2.0 * B * T * H * V;
+  Buf& d_o = pr.make(size_t(B * T * H * V) * 2);
+  fill_buf<__nv_bfloat16>(d_o, B * T * H * V, 11, 0);
+  dgps::cuda::GradParams g;
+  g.d_o = Tensor::contiguous(d_o.p, T, H, V);
+  auto grad = [&](const Tensor& in, int64_t n, size_t elem) {
+    Tensor t = in;  // the input's strides
+    t.data = in.data ? pr.make(size_t(n) * elem).p : nullptr;
+    return t;
+  };
+  const int64_t gk = p.spec.decay == dgps::decay::Kind::diagonal ? K : 1;
+  g.dq = grad(p.q, B * T * H * K, 2), g.dk = grad(p.k, B * T * H * K, 2), g.dv = grad(p.v, B * T * H * V, 2);
+  g.dg = grad(p.g, B * T * H * gk, 4), g.dbeta = grad(p.beta, B * T * H, 4);
+  g.dg_p = grad(p.g_p, B * T * H, 4), g.dbeta_p = grad(p.beta_p, B * T * H, 4), g.dcenter = grad(p.center, H, 4);
+  const bool prec = p.spec.precond != dgps::precond::Kind::identity;
+  g.dh0 = Tensor::contiguous(pr.make(size_t(B * H * K * V) * 4).p, H, K, V);
+  if (prec) g.da0 = Tensor::contiguous(pr.make(size_t(B * H * K) * 4).p, H, K, 1);
+  const size_t ws_bytes = dgps::cuda::backward_workspace_bytes(p);
+  std::printf("# %s B%lld T%lld H%lld: backward workspace %.1f MiB\n", model, (long long)B, (long long)T, (long long)H,
+              ws_bytes / 1048576.0);
+  dgps::cuda::Workspace ws;
+  const char* fwd_impl = "";
+  const char* bwd_impl = "";
+  const double both = median_ms([&] {
+    fwd_impl = dgps::cuda::forward(p, ws, nullptr);
+    bwd_impl = dgps::cuda::backward(p, g, ws, nullptr);
+  });
+  const double bwd = median_ms([&] { dgps::cuda::backward(p, g, ws, nullptr); });
+  // Backward traffic: inputs and do read, a gradient of every input written, dh0/da0 written.
+  const double bwd_bytes = 2.0 * pr.in_bytes + 2.0 * B * T * H * V + 4.0 * B * H * K * V + (prec ? 4.0 * B * H * K : 0);
+  const double flops = 6.0 * K * V * H * B * T;
+  const std::string shape = "_B" + std::to_string(B) + "_T" + std::to_string(T) + "_H" + std::to_string(H);
+  emit({model, "fwdbwd" + shape, B, T, H, H, K, V, both, fwd_bytes + bwd_bytes, 3 * flops,
+        std::string(fwd_impl) + "+" + bwd_impl, ws_bytes});
+  emit({model, "bwd" + shape, B, T, H, H, K, V, bwd, bwd_bytes, 2 * flops, bwd_impl, ws_bytes});
+}
+
 void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, bool graph) {
   Problem pr;
   setup(pr, model, B, 1, H, HV, K, V, 7);
@@ -245,10 +294,14 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   ck(cudaGetDeviceProperties(&prop, 0), "properties");
-  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward, for ncu
+  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward (or backward), for ncu
     g_copy_gbps = 1;
     g_warm = 0, g_reps = 1;
     const char* m = argc > 2 ? argv[2] : "gdn";
+    if (argc > 3 && std::string(argv[3]) == "bwd") {
+      bench_backward(m, 8, 2048, 16);
+      return 0;
+    }
     bench_forward(m, 8, 2048, 16, 128, 128);
     bench_forward(m, 1, 32768, 16, 128, 128);
     return 0;
@@ -267,6 +320,10 @@ int main(int argc, char** argv) {
     if (dgps::cuda::supports(dgps::model_by_name(m), dgps::Algorithm::chunkwise))
       bench_forward(m, 8, 2048, 16, 128, 128, dgps::Algorithm::recurrent);
   }
+  const std::pair<const char*, std::pair<int64_t, int64_t>> training[] = {
+      {"pgdn", {8, 2048}}, {"gdn", {8, 2048}}, {"pgdn", {1, 32768}}, {"pkda", {8, 2048}}};
+  for (const auto& [m, bt] : training)
+    if (only.empty() || only.find(m) != std::string::npos) bench_backward(m, bt.first, bt.second, 16);
   for (const char* m : {"gdn", "pgdn"}) {
     bench_decode(m, 1, 16, 32, 128, 128, true);
     bench_decode(m, 64, 16, 32, 128, 128, false);
@@ -275,11 +332,11 @@ int main(int argc, char** argv) {
   if (argc > 1) {
     FILE* f = std::fopen(argv[1], "w");
     if (f) {
-      std::fprintf(f, "impl,model,case,B,T,HV,ms,bytes,flops,copy_gbps,variant\n");
+      std::fprintf(f, "impl,model,case,B,T,HV,ms,bytes,flops,copy_gbps,variant,mem_bytes\n");
       for (const Row& r : g_rows)
-        std::fprintf(f, "dgps,%s,%s,%lld,%lld,%lld,%.5f,%.6g,%.6g,%.1f,%s\n", r.model.c_str(), r.name.c_str(),
+        std::fprintf(f, "dgps,%s,%s,%lld,%lld,%lld,%.5f,%.6g,%.6g,%.1f,%s,%zu\n", r.model.c_str(), r.name.c_str(),
                      (long long)r.B, (long long)r.T, (long long)r.HV, r.ms, r.bytes, r.flops, g_copy_gbps,
-                     r.impl.c_str());
+                     r.impl.c_str(), r.mem_bytes);
       std::fclose(f);
     }
   }

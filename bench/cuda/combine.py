@@ -1,19 +1,34 @@
-"""@brief Joins bench_cuda's CSV and one or more fla_bench.py CSVs into a markdown table with dgps/FLA ratios."""
+"""@brief Joins bench_cuda's CSV and one or more fla_bench.py CSVs into a markdown table with dgps/FLA ratios.
+
+Rows join on (model, case): forward (`fwd_*`), forward + backward (`fwdbwd_*`), backward alone (`bwd_*`)
+and decode rows. A second table compares the memory of the backward rows: dgps's backward workspace
+(bench_cuda's `mem_bytes`) and FLA's peak allocation during forward + backward (fla_bench's `mem_bytes`).
+"""
 import csv
 import sys
 
 
+def mib(x):
+    """Bytes as MiB with one decimal, or 'n/a' when absent."""
+    return f"{float(x) / 2**20:.1f}" if x else "n/a"
+
+
 def main(dgps_csv, *fla_csvs):
-    fla = {}
+    """Prints the joined timing table and, for the backward rows, the memory table."""
+    fla, fla_mem = {}, {}
     for path in fla_csvs:  # later files override earlier ones
         try:
             for r in csv.DictReader(open(path)):
                 fla[(r["model"], r["case"])] = float(r["ms"])
+                if r.get("mem_bytes"):
+                    fla_mem[(r["model"], r["case"])] = r["mem_bytes"]
         except FileNotFoundError:
             pass
-    print("| model | case | dgps ms | FLA ms | dgps/FLA time | tokens/s | TFLOP/s (6KV/token) | GB/s | % copy BW | dgps variant |")
+    rows = list(csv.DictReader(open(dgps_csv)))
+    print("| model | case | dgps ms | FLA ms | dgps/FLA time | tokens/s | TFLOP/s (6KV/token fwd, 12KV bwd) | GB/s | "
+          "% copy BW | dgps variant |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in csv.DictReader(open(dgps_csv)):
+    for r in rows:
         ms = float(r["ms"])
         s = ms * 1e-3
         bw = float(r["bytes"]) / s / 1e9
@@ -22,6 +37,14 @@ def main(dgps_csv, *fla_csvs):
         print(f"| {r['model']} | {r['case']} | {ms:.4f} | {f'{f:.4f}' if f else 'n/a'} | "
               f"{f'{ms / f:.2f}' if f else 'n/a'} | {tokens / s:.3g} | {float(r['flops']) / s / 1e12:.2f} | "
               f"{bw:.0f} | {100 * bw / float(r['copy_gbps']):.1f} | {r['variant']} |")
+    mem = [r for r in rows if r["case"].startswith("fwdbwd_") and r.get("mem_bytes")]
+    if mem:
+        print()
+        print("| model | case | dgps backward workspace MiB | FLA fwd+bwd peak allocation MiB (above the inputs) |")
+        print("|---|---|---|---|")
+        for r in mem:
+            f = fla_mem.get((r["model"], r["case"]))
+            print(f"| {r['model']} | {r['case']} | {mib(r['mem_bytes'])} | {mib(f)} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """@brief FLA side of bench/cuda: the same shapes as bench_cuda on the same GPU, for dgps/FLA ratios.
 
 Times flash-linear-attention's forward kernels (chunk_* for prefill, fused_recurrent_* for decode)
+and a training step's forward + backward through torch autograd (`fwdbwd_*`; backward alone: `bwd_*`)
 with CUDA events: median of 30 runs after 5 warm-up runs (decode B=1: CUDA graph of 100 calls).
 FLA is not part of dgps: this script imports it from PYTHONPATH (a checkout's `fla` folder).
-Prints CSV rows `impl,model,case,ms` and writes them to argv[1] when given.
+Prints CSV rows `impl,model,case,ms,mem_bytes` (mem_bytes: the peak allocation of one forward +
+backward above what was allocated before it; empty for other rows) and writes them to argv[1] when given.
+argv[2] filters the cases, e.g. "gdn,pgdn,decode,bwd" (bwd: the forward + backward rows).
 """
+import importlib
 import sys
 import statistics
 
@@ -36,14 +40,16 @@ def median_ms(fn, warm=5, reps=30):
     return statistics.median(times)
 
 
-def emit(model, case, ms):
-    rows.append((model, case, ms))
-    print(f"fla,{model},{case},{ms:.4f}", flush=True)
+def emit(model, case, ms, mem_bytes=None):
+    """Prints a CSV row and rewrites argv[1] with every row so far."""
+    mem = "" if mem_bytes is None else str(mem_bytes)
+    rows.append((model, case, ms, mem))
+    print(f"fla,{model},{case},{ms:.4f},{mem}", flush=True)
     if len(sys.argv) > 1:  # written row by row, so a run cut short still leaves its rows
         with open(sys.argv[1], "w") as f:
-            f.write("impl,model,case,ms\n")
-            for m, c, t in rows:
-                f.write(f"fla,{m},{c},{t:.5f}\n")
+            f.write("impl,model,case,ms,mem_bytes\n")
+            for m, c, t, b in rows:
+                f.write(f"fla,{m},{c},{t:.5f},{b}\n")
 
 
 def inputs(B, T, H, HV, K, V, diag=False):
@@ -73,6 +79,54 @@ def forward(model, B, T, H, K=128, V=128):
     else:
         fn = lambda: chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     emit(model, f"fwd_B{B}_T{T}_H{H}", median_ms(fn))
+
+
+def allow_hopper_gated_backward():
+    """TIMING ONLY: lets FLA run its gated backward on Hopper with Triton >= 3.4, < 3.7.1.
+
+    FLA's chunk_bwd_dqkwg (fla/ops/common/chunk_o.py) raises there, because that Triton miscompiles
+    it into wrong gradients (FLA issue #640). Pretending Triton >= 3.7.1 lets the same kernels run so
+    their time can be measured; the gradients of that path are NOT trusted and are never compared.
+    """
+    importlib.import_module("fla.ops.common.chunk_o").TRITON_ABOVE_3_7_1 = True
+
+
+def training(model, B, T, H, K=128, V=128):
+    """Forward + backward of o = model(...) with the gradient of sum(o * do) for every input, and backward alone."""
+    q, k, v, g, beta, g_atk, beta_atk, center = inputs(B, T, H, H, K, V, diag=model == "pkda")
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta, g_atk, beta_atk, center)]
+    do = torch.randn_like(v)
+    if model == "gdn":
+        leaves = leaves[:5]
+        fwd = lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    elif model == "pgdn":
+        fwd = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, use_qk_l2norm_in_kernel=True,
+                                                     log_atk_scale=center)[0]
+    else:
+        fwd = lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale=center)[0]
+
+    def clear():
+        """Drops the gradients of the previous step (so none are accumulated)."""
+        for t in leaves:
+            t.grad = None
+
+    def step():
+        """One training step's recurrence: forward, then backward from do."""
+        clear()
+        fwd().backward(do)  # the gradient of loss = (o * do).sum()
+
+    case = f"B{B}_T{T}_H{H}"
+    ms = median_ms(step)
+    clear()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    emit(model, "fwdbwd_" + case, ms, torch.cuda.max_memory_allocated() - base)
+    clear()
+    o = fwd()
+    emit(model, "bwd_" + case, median_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True)))
 
 
 def decode(model, B, H, HV, K=128, V=128, graph=False):
@@ -117,6 +171,15 @@ def main():
                 forward(m, B, T, H)
             except Exception as e:  # report and continue: one failing FLA kernel must not stop the table
                 print(f"fla,{m},fwd_B{B}_T{T}_H{H},error: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if not only or "bwd" in only:
+        allow_hopper_gated_backward()
+    for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("pkda", 8, 2048)):
+        if only and "bwd" not in only:
+            continue
+        try:
+            training(m, B, T, 16)
+        except Exception as e:  # FLA's backward may refuse (or fail) on this GPU and Triton
+            print(f"fla,{m},fwdbwd_B{B}_T{T}_H16,error: {type(e).__name__}: {str(e)[:200]}", flush=True)
     for m in ("gdn", "pgdn"):
         if only and "decode" not in only:
             continue

@@ -3,7 +3,7 @@
 #
 # Runs on the H200 from the repository root with the binaries carried in .device/ (built here with
 # build-cuda and copied there) and FLA's `fla` package in .fetch/fla-src (never part of dgps).
-# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all] [FLA filter, e.g. gdn,pgdn,decode]
+# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all] [FLA filter, e.g. gdn,pgdn,decode,bwd]
 # (default: all, every FLA case); DGPS_ONLY=pgdn limits dgps's forward cases the same way.
 # Results go to $OUT (or ./.device/out): test log, bench CSVs and the joined markdown table.
 set -u

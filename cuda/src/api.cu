@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "dgps/cuda.hpp"
+#include "backward.cuh"
 #include "chunk.cuh"
 #include "recurrent.cuh"
 
@@ -31,8 +32,11 @@ void copy_strides(int64_t* dst, const Tensor& t) {
   for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
 }
 
+enum class Call { forward, decode, backward };
+
 /// Host-side checks of a call (shapes, pointers, options); device tensor values are not read.
-void check(const Params& p, bool decode) {
+void check(const Params& p, Call call) {
+  const bool decode = call == Call::decode;
   if (!supports(p.spec, p.algorithm))
     throw Error("cuda: no " + std::string(dgps::to_string(p.algorithm)) + " algorithm for " + dgps::to_string(p.spec) +
                 " (the CUDA backend runs the Identity and diagonal preconditioners; chunkwise: decay none or "
@@ -44,7 +48,8 @@ void check(const Params& p, bool decode) {
   if (p.K < 1 || p.K > 128) throw Error("cuda: key_dim must be in [1, 128], got " + std::to_string(p.K));
   require(p.V >= 1 && p.V <= (int64_t(1) << 30), "value_dim must be in [1, 2^30]");
   require(p.N <= 65535 && p.HV <= 65535, "at most 65535 sequences and 65535 value heads per call");
-  require(p.q.data && p.k.data && p.v.data && p.o.data, "q, k, v and o are required");
+  require(p.q.data && p.k.data && p.v.data, "q, k and v are required");
+  require(call == Call::backward || p.o.data, "o is required");
   require(p.spec.decay == decay::Kind::none || p.g.data, "tensor 'g' is required by the decay");
   require(p.spec.decay != decay::Kind::none || !p.g.data, "tensor 'g' was given but decay=none uses no g");
   require(p.spec.gain == gain::Kind::unit || p.beta.data, "tensor 'beta' is required by gain=scalar");
@@ -216,7 +221,7 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
 
 const char* forward(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
-  check(p, false);
+  check(p, Call::forward);
   const kernels::RecArgs a = make_args(p);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // T = 0 has no chunks: the recurrent kernel copies h0/a0 to hT/aT.
@@ -226,7 +231,7 @@ const char* forward(const Params& p, Workspace& ws, void* stream) {
 
 const char* decode(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
-  check(p, true);
+  check(p, Call::decode);
   kernels::RecArgs a = make_args(p);
   a.hT = const_cast<float*>(a.h0);
   for (int d = 0; d < 3; ++d) a.shT[d] = a.sh0[d];
@@ -243,6 +248,76 @@ const char* decode(const Params& p, Workspace& ws, void* stream) {
     a.a0_by_sequence = true;
   }
   return launch(a, p.dtype, s, true);
+}
+
+namespace {
+
+/// Host-side checks of a backward's cotangents and gradient destinations against the forward call `p`.
+void check_grads(const Params& p, const GradParams& g) {
+  require(p.spec.precond != precond::Kind::identity || (!g.daT.data && !g.da0.data && !g.dg_p.data &&
+                                                        !g.dbeta_p.data && !g.dcenter.data),
+          "precond=identity has no daT, da0, dg_p, dbeta_p or dcenter");
+  require(g.d_o.data, "the cotangent 'd_o' is required");
+  auto given_only_with = [](const Tensor& grad, const Tensor& input, const char* name) {
+    if (grad.data && !input.data)
+      throw Error(std::string("cuda: gradient '") + name + "' was requested but its input is absent");
+  };
+  given_only_with(g.dg, p.g, "dg");
+  given_only_with(g.dbeta, p.beta, "dbeta");
+  given_only_with(g.dg_p, p.g_p, "dg_p");
+  given_only_with(g.dbeta_p, p.beta_p, "dbeta_p");
+  given_only_with(g.dcenter, p.center, "dcenter");
+}
+
+kernels::BwdArgs make_bwd_args(const Params& p, const GradParams& g) {
+  kernels::BwdArgs b;
+  b.a = make_args(p);
+  b.d_o = g.d_o.data;
+  b.dhT = static_cast<const float*>(g.dhT.data);
+  b.daT = static_cast<const float*>(g.daT.data);
+  auto out = [](const Tensor& t) { return const_cast<void*>(t.data); };
+  b.dq = out(g.dq), b.dk = out(g.dk), b.dv = out(g.dv), b.dg = out(g.dg), b.dbeta = out(g.dbeta);
+  b.dgp = out(g.dg_p), b.dbp = out(g.dbeta_p), b.dcenter = out(g.dcenter);
+  b.dh0 = static_cast<float*>(out(g.dh0));
+  b.da0 = static_cast<float*>(out(g.da0));
+  copy_strides(b.sdo, g.d_o), copy_strides(b.sdhT, g.dhT), copy_strides(b.sdaT, g.daT);
+  copy_strides(b.sdq, g.dq), copy_strides(b.sdk, g.dk), copy_strides(b.sdv, g.dv), copy_strides(b.sdg, g.dg);
+  copy_strides(b.sdbeta, g.dbeta), copy_strides(b.sdgp, g.dg_p), copy_strides(b.sdbp, g.dbeta_p);
+  copy_strides(b.sdh0, g.dh0), copy_strides(b.sda0, g.da0);
+  b.Kp = p.K <= 64 ? 64 : 128;
+  b.rows = p.B * p.T;
+  b.slots = b.rows / kernels::kBwdChunk + 2 * p.N + 1;
+  return b;
+}
+
+template <class Tin>
+cudaError_t launch_bwd_typed(const kernels::BwdArgs& b, cudaStream_t s) {
+  return kernels::launch_backward<Tin>(b, s);
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const Params& p) {
+  kernels::BwdArgs b = make_bwd_args(p, GradParams{});
+  return kernels::bwd_workspace(b, nullptr);
+}
+
+const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream) {
+  require(available(), "no usable GPU");
+  check(p, Call::backward);
+  check_grads(p, g);
+  kernels::BwdArgs b = make_bwd_args(p, g);
+  void* base = ws.get(kernels::bwd_workspace(b, nullptr));
+  kernels::bwd_workspace(b, base);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaSuccess;
+  switch (p.dtype) {
+    case DType::f32: e = launch_bwd_typed<float>(b, s); break;
+    case DType::bf16: e = launch_bwd_typed<__nv_bfloat16>(b, s); break;
+    case DType::f16: e = launch_bwd_typed<__half>(b, s); break;
+  }
+  throw_on(e, "backward kernel launch");
+  return "cuda/backward/recurrent";
 }
 
 }  // namespace dgps::cuda

@@ -122,6 +122,35 @@ const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);
 /// "cuda/decode/v32" or the warp kernel's name.
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 
+/// Cotangents and gradient destinations of a CUDA backward call (device tensors, same layouts as the
+/// forward's: SPEC §1). `d_o` is required; every other tensor is optional. Gradients take the
+/// element type of their input: dq, dk, dv `Params::dtype`; dg, dbeta, dg_p, dbeta_p, dcenter
+/// `Params::gate_dtype`; dh0, da0, dhT, daT float32. A gradient may be requested only when its input
+/// is present (dh0/da0 are always allowed: the gradient with respect to a zero initial state).
+struct GradParams {
+  Tensor d_o;                                  ///< [B, T, HV, V] cotangent of o (dtype)
+  Tensor dhT, daT;                             ///< optional cotangents of hT [N, HV, K, V] and aT [N, H, K]
+  Tensor dq, dk, dv;                           ///< [B, T, H, K], [B, T, H, K], [B, T, HV, V]
+  Tensor dg, dbeta, dg_p, dbeta_p, dcenter;    ///< shapes of g, beta, g_p, beta_p, center
+  Tensor dh0, da0;                             ///< [N, HV, K, V], [N, H, K]
+};
+
+/// True when the CUDA backend has a backward for model `spec`: the forward's coverage (Identity and
+/// diagonal preconditioners, every decay, gain and solve).
+constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, Algorithm::recurrent); }
+
+/// Backward pass (SPEC §3.8): the gradients of `sum(o * d_o) + sum(hT * dhT) + sum(aT * daT)` with
+/// respect to every input whose destination is given in `g`, for the forward described by `p`
+/// (`p.o`, `p.hT`, `p.aT` are not read). Float32 state arithmetic throughout (a recurrent pass saves
+/// the state every 64 tokens, a reverse pass carries its gradient, and the per-token gradients are
+/// formed chunk by chunk), with fixed-order reductions and no atomics: two calls on the same inputs
+/// give bitwise equal gradients. Runs on `stream` without host synchronisation. Throws dgps::Error
+/// for a call it cannot run (nothing is launched then). Returns "cuda/backward/recurrent".
+const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream = nullptr);
+
+/// Bytes of workspace `backward` needs for the call `p` (the workspace grows to it on the first call).
+size_t backward_workspace_bytes(const Params& p);
+
 namespace detail {
 /// The strides of a validated view's first three dimensions (the rest of the Tensor contract).
 template <class T>

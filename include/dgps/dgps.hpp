@@ -64,13 +64,15 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
 /// respect to every input whose gradient view is given in `grads` (SPEC §3.8). The forward is
 /// recomputed chunk by chunk (`opt.chunk_size` tokens; memory O(T / C * K * V + T * (K + V)) per head).
 /// For the exact preconditioners `da0` is the raw gradient of the non-symmetric update as written
-/// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0.
+/// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0. Float32 device
+/// pointers (or `backend = cuda`) run dgps::cuda::backward, asynchronously on the default stream.
 template <class R, class T>
 RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt = {}) {
+#if defined(DGPS_HAS_CUDA)
+  if (detail::wants_cuda(opt.backend, in.q.data)) return detail::cuda_backward<R>(in, gin, grads, opt);
+#endif
   const detail::Problem<T> p = detail::check_backward<R>(in, gin, grads, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
-  if (info.backend == Backend::cuda)
-    throw Error("backend 'cuda' has no backward pass yet; run backward on the cpu or reference backend");
   detail::check_supported<R>(info.backend, opt.algorithm);
   if (info.backend == Backend::reference) {
     reference::backward<R, T, double>(p, p.threads);

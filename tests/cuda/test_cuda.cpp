@@ -1,109 +1,20 @@
-/// @brief GPU tests of dgps::cuda against the float64 reference: conformance cases, large random cases, decode.
+/// @brief GPU tests of dgps::cuda against the float64 reference: conformance cases, large random cases, decode
+/// (and, from test_cuda_backward.cpp, the backward pass).
 ///
 /// Skips (exit 0, with a message) when no GPU is present, so CI can build it without a GPU.
 /// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <dgps/cuda.hpp>
-#include <dgps/dgps.hpp>
-
-/// The conformance data: $DGPS_TEST_DATA_DIR when set (the GPU machine has its own checkout path).
-inline const char* dgps_cuda_test_data() {
-  const char* e = std::getenv("DGPS_TEST_DATA_DIR");
-  return e && *e ? e : DGPS_TEST_DATA_DEFAULT;
-}
-#define DGPS_TEST_DATA dgps_cuda_test_data()
-#include "../support.hpp"
+#include "gpu_support.hpp"
 
 namespace {
 
-using dgps::cuda::DType;
-using dgps_test::Arrays;
-using dgps_test::Case;
-
-int g_failures = 0;
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-
-/// A device buffer freed on scope exit.
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  DevBuf() = default;
-  explicit DevBuf(size_t n) : bytes(n) { check_cuda(cudaMalloc(&p, n ? n : 1), "cudaMalloc"); }
-  DevBuf(DevBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; }
-  DevBuf& operator=(DevBuf&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(bytes, o.bytes);
-    return *this;
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-};
-
-size_t elem_size(DType d) { return d == DType::f32 ? 4 : 2; }
-
-/// Rounds to the given type and back (the values the GPU sees).
-double round_to(double x, DType d) {
-  if (d == DType::bf16) return double(__bfloat162float(__float2bfloat16(float(x))));
-  if (d == DType::f16) return double(__half2float(__float2half(float(x))));
-  return double(float(x));
-}
-
-DevBuf upload(const std::vector<double>& v, DType d) {
-  DevBuf b(v.size() * elem_size(d));
-  std::vector<unsigned char> host(b.bytes ? b.bytes : 1);
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (d == DType::f32) {
-      const float f = float(v[i]);
-      std::memcpy(&host[4 * i], &f, 4);
-    } else if (d == DType::bf16) {
-      const __nv_bfloat16 h = __float2bfloat16(float(v[i]));
-      std::memcpy(&host[2 * i], &h, 2);
-    } else {
-      const __half h = __float2half(float(v[i]));
-      std::memcpy(&host[2 * i], &h, 2);
-    }
-  }
-  check_cuda(cudaMemcpy(b.p, host.data(), b.bytes, cudaMemcpyHostToDevice), "upload");
-  return b;
-}
-
-std::vector<double> download(const DevBuf& b, size_t n, DType d) {
-  std::vector<unsigned char> host(n * elem_size(d) + 1);
-  check_cuda(cudaMemcpy(host.data(), b.p, n * elem_size(d), cudaMemcpyDeviceToHost), "download");
-  std::vector<double> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (d == DType::f32) {
-      float f;
-      std::memcpy(&f, &host[4 * i], 4);
-      out[i] = f;
-    } else if (d == DType::bf16) {
-      __nv_bfloat16 h;
-      std::memcpy(&h, &host[2 * i], 2);
-      out[i] = __bfloat162float(h);
-    } else {
-      __half h;
-      std::memcpy(&h, &host[2 * i], 2);
-      out[i] = __half2float(h);
-    }
-  }
-  return out;
-}
+using namespace dgps_gpu_test;
 
 /// The float64 reference forward of a case (dgps::reference, SPEC §2 token by token).
 Arrays reference_forward(const Case& c) {
@@ -124,22 +35,6 @@ Arrays reference_forward(const Case& c) {
   });
 }
 
-/// A copy of the case with q, k, v rounded to `d` and the gates to `gd` (what the GPU computes on).
-Case rounded(const Case& c, DType d, DType gd) {
-  Case r = c;
-  for (auto& [n, v] : r.arr) {
-    const bool io = n == "q" || n == "k" || n == "v";
-    const bool gate = n == "g" || n == "beta" || n == "g_p" || n == "beta_p" || n == "center";
-    if (io || gate)
-      for (auto& x : v) x = round_to(x, io ? d : gd);
-  }
-  return r;
-}
-
-dgps::cuda::Tensor contiguous4(const DevBuf& b, int64_t d1, int64_t d2, int64_t d3) {
-  return b.p ? dgps::cuda::Tensor::contiguous(b.p, d1, d2, d3) : dgps::cuda::Tensor{};
-}
-
 /// The algorithm the GPU runs in gpu_forward (tests switch it per section).
 dgps::Algorithm g_alg = dgps::Algorithm::automatic;
 
@@ -148,47 +43,13 @@ Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, 
   const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads,
                 K = c.shape.key_dim, V = c.shape.value_dim, N = c.N;
   const bool diag_p = c.spec.precond != dgps::precond::Kind::identity;
-  std::map<std::string, DevBuf> buf;
-  for (const char* n : {"q", "k", "v"})
-    if (c.has(n)) buf[n] = upload(c.arr.at(n), d);
-  for (const char* n : {"g", "beta", "g_p", "beta_p", "center"})
-    if (c.has(n)) buf[n] = upload(c.arr.at(n), gd);
-  for (const char* n : {"h0", "a0"})
-    if (c.has(n)) buf[n] = upload(c.arr.at(n), DType::f32);
-  DevBuf o(size_t(B * T * HV * V) * elem_size(d)), hT(size_t(N * HV * K * V) * 4), aT(size_t(N * H * K) * 4);
-  check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
-  check_cuda(cudaMemset(hT.p, 0xff, hT.bytes), "poison");
-  check_cuda(cudaMemset(aT.p, 0xff, aT.bytes), "poison");
-  DevBuf cu;
-  if (!c.cu.empty()) {
-    cu = DevBuf(c.cu.size() * sizeof(int64_t));
-    check_cuda(cudaMemcpy(cu.p, c.cu.data(), cu.bytes, cudaMemcpyHostToDevice), "cu_seqlens");
-  }
-  dgps::cuda::Params p;
-  p.spec = c.spec;
-  p.dtype = d;
-  p.gate_dtype = gd;
-  p.B = B, p.T = T, p.H = H, p.HV = HV, p.K = K, p.V = V, p.N = N;
-  p.q = contiguous4(buf["q"], T, H, K);
-  p.k = contiguous4(buf["k"], T, H, K);
-  p.v = contiguous4(buf["v"], T, HV, V);
-  if (c.has("g"))
-    p.g = c.spec.decay == dgps::decay::Kind::diagonal ? contiguous4(buf["g"], T, HV, K) : contiguous4(buf["g"], T, HV, 1);
-  if (c.has("beta")) p.beta = contiguous4(buf["beta"], T, HV, 1);
-  if (c.has("g_p")) p.g_p = contiguous4(buf["g_p"], T, H, 1);
-  if (c.has("beta_p")) p.beta_p = contiguous4(buf["beta_p"], T, H, 1);
-  if (c.has("center")) p.center = contiguous4(buf["center"], 1, 1, 1);
-  if (c.has("h0")) p.h0 = contiguous4(buf["h0"], HV, K, V);
-  if (c.has("a0")) p.a0 = contiguous4(buf["a0"], H, K, 1);
+  DeviceCase dc(c, d, gd, g_alg);
+  DevBuf o = poisoned(size_t(B * T * HV * V) * elem_size(d)), hT = poisoned(size_t(N * HV * K * V) * 4),
+         aT = poisoned(size_t(N * H * K) * 4);
+  dgps::cuda::Params& p = dc.p;
   p.o = contiguous4(o, T, HV, V);
   p.hT = contiguous4(hT, HV, K, V);
   if (diag_p) p.aT = contiguous4(aT, H, K, 1);
-  p.cu_seqlens = c.cu.empty() ? nullptr : static_cast<const int64_t*>(cu.p);
-  p.scale = float(c.opt.scale ? *c.opt.scale : 1.0 / std::sqrt(double(K)));
-  p.x = float(c.opt.x);
-  p.eps = float(c.opt.eps);
-  p.l2norm = c.opt.l2norm_qk;
-  p.algorithm = g_alg;
   *impl = dgps::cuda::forward(p, ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "forward");
   Arrays r;
@@ -201,13 +62,6 @@ Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, 
 /// SPEC §5: float32 within 1e-4, 16-bit inputs within 2e-2; the chunkwise kernels' products take
 /// 16-bit operands, so forced chunkwise runs on float32 inputs get the 16-bit tolerance.
 double tolerance(DType d) { return d == DType::f32 && g_alg != dgps::Algorithm::chunkwise ? 1e-4 : 2e-2; }
-
-void report(const std::string& name, const char* what, double err, double tol, const std::string& impl) {
-  const bool ok = err < tol;
-  if (!ok) ++g_failures;
-  std::printf("%-5s %-44s %-3s err %.3e (tol %.0e) %s\n", ok ? "ok" : "FAIL", name.c_str(), what, err, tol,
-              impl.c_str());
-}
 
 /// Compares GPU output (type d) with the reference on the inputs the GPU saw, and with `gold` if given.
 void compare(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
@@ -239,15 +93,6 @@ void conformance(dgps::cuda::Workspace& ws) {
     compare("conf/" + name, c, DType::f32, DType::f32, ws, &gold);
     compare("conf/" + name, c, DType::bf16, DType::f32, ws, nullptr);
   }
-}
-
-dgps::ModelSpec spec_named(const char* n) { return dgps::model_by_name(n); }
-
-Case make_random(const char* model, dgps::Shape s, std::vector<int64_t> cu, uint64_t seed,
-                 const dgps_test::Gen& gen = {}) {
-  Case c = dgps_test::random_case(spec_named(model), s, cu, seed, gen);
-  c.opt = dgps::Options{};
-  return c;
 }
 
 void random_cases(dgps::cuda::Workspace& ws, bool quick) {
@@ -386,9 +231,8 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       what = e.what();
     }
     const bool ok = what.find(V > 128 ? "value_dim <= 128" : "chunkwise") != std::string::npos;
-    if (!ok) ++g_failures;
-    std::printf("%-5s chunk/refuses/%s/V%lld: %s\n", ok ? "ok" : "FAIL", m, static_cast<long long>(V),
-                what.empty() ? "(no error)" : what.c_str());
+    report_check(ok, std::string("chunk/refuses/") + m + "/V" + std::to_string(V) + ": " +
+                         (what.empty() ? std::string("(no error)") : what));
   }
   // The recurrent kernels with 16-bit inputs.
   g_alg = dgps::Algorithm::recurrent;
@@ -478,10 +322,8 @@ void public_api() {
                                                                          static_cast<float*>(aT.p));
   const dgps::RunInfo info = dgps::forward<dgps::PGDN>(in, out);
   check_cuda(cudaDeviceSynchronize(), "dgps::forward");
-  const bool on_cuda = info.backend == dgps::Backend::cuda;
-  if (!on_cuda) ++g_failures;
-  std::printf("%-5s dgps::forward on device pointers chose backend %s (%s)\n", on_cuda ? "ok" : "FAIL",
-              dgps::to_string(info.backend), info.impl.c_str());
+  report_check(info.backend == dgps::Backend::cuda, std::string("dgps::forward on device pointers chose backend ") +
+                                                        dgps::to_string(info.backend) + " (" + info.impl + ")");
   report("api/forward/pgdn/varlen", "o", dgps_test::rel_err(download(o, ref.at("o").size(), DType::f32), ref.at("o")),
          1e-4, info.impl);
   report("api/forward/pgdn/varlen", "aT",
@@ -513,6 +355,7 @@ int main(int argc, char** argv) {
     decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
     decode_case("kda", 2, DType::f32, seed++, ws, 66);
     public_api();
+    backward_tests(ws, quick);
   } catch (const std::exception& e) {
     std::printf("FAIL  exception: %s\n", e.what());
     return 1;

@@ -1,4 +1,4 @@
-/// @brief The CUDA branch of dgps::forward / dgps::decode: validation for device tensors and the call into dgps::cuda.
+/// @brief The CUDA branch of dgps::forward / backward / decode: device-tensor validation and the call into dgps::cuda.
 ///
 /// Included by dgps/dgps.hpp only when DGPS_HAS_CUDA is defined (targets linking dgps::cuda).
 /// Validation reads shapes, strides and options on the host; the values of device `cu_seqlens` and
@@ -38,8 +38,8 @@ inline std::vector<int64_t> placeholder_offsets(const TensorView<const int64_t>&
 template <class T>
 void require_float_for_cuda() {
   if constexpr (!std::is_same_v<T, float>)
-    throw Error("backend 'cuda' takes float32 tensors through dgps::forward/decode; call dgps::cuda::forward "
-                "directly for bfloat16 or float16");
+    throw Error("backend 'cuda' takes float32 tensors through dgps::forward/backward/decode; call "
+                "dgps::cuda::forward or dgps::cuda::backward directly for bfloat16 or float16");
 }
 
 /// dgps::forward on the CUDA backend (device pointers, default stream, asynchronous).
@@ -62,6 +62,47 @@ RunInfo cuda_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& 
     const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, opt.algorithm);
     RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::forward(cp, ws, nullptr)};
     report("forward", info);
+    return info;
+  } else {
+    return {};
+  }
+}
+
+/// The cotangents and gradient destinations of a validated float32 backward Problem (device pointers).
+inline cuda::GradParams grad_params_from(const Problem<float>& p) {
+  using cuda::detail::tensor_of;
+  cuda::GradParams g;
+  g.d_o = tensor_of(p.d_o), g.dhT = tensor_of(p.dhT), g.daT = tensor_of(p.daT);
+  g.dq = tensor_of(p.dq), g.dk = tensor_of(p.dk), g.dv = tensor_of(p.dv);
+  g.dg = tensor_of(p.dg), g.dbeta = tensor_of(p.dbeta);
+  g.dg_p = tensor_of(p.dg_p), g.dbeta_p = tensor_of(p.dbeta_p), g.dcenter = tensor_of(p.dcenter);
+  g.dh0 = tensor_of(p.dh0), g.da0 = tensor_of(p.da0);
+  return g;
+}
+
+/// dgps::backward on the CUDA backend (device pointers, default stream, asynchronous). Allocates its
+/// workspace per call (freed before returning); use dgps::cuda::backward with a reused
+/// dgps::cuda::Workspace on hot paths. The CUDA backward has one algorithm (recurrent): `chunkwise`
+/// is refused.
+template <class R, class T>
+RunInfo cuda_backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt) {
+  require_float_for_cuda<T>();
+  if (!cuda_available()) select_backend(Backend::cuda);  // throws the 'not available' error
+  if (!cuda::supports_backward(spec_of<R>()) || opt.algorithm == Algorithm::chunkwise)
+    throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " backward for " +
+                to_string(spec_of<R>()));
+  if constexpr (std::is_same_v<T, float>) {
+    Inputs<T> host = in;
+    std::vector<int64_t> cu;
+    if (in.cu_seqlens.data) {
+      cu = placeholder_offsets(in.cu_seqlens, in.shape.time);
+      host.cu_seqlens = TensorView<const int64_t>(cu.data(), {static_cast<int64_t>(cu.size())});
+    }
+    const Problem<T> p = check_backward<R>(host, gin, grads, opt);
+    cuda::Workspace ws;
+    const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, Algorithm::recurrent);
+    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::backward(cp, grad_params_from(p), ws, nullptr)};
+    report("backward", info);
     return info;
   } else {
     return {};

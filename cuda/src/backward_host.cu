@@ -1,0 +1,39 @@
+/// @brief Host side of the backward: the workspace layout.
+#include "backward.cuh"
+
+namespace dgps::cuda::kernels {
+
+size_t bwd_workspace(BwdArgs& b, void* base) {
+  const RecArgs& a = b.a;
+  size_t off = 0;
+  auto take = [&](size_t floats) {
+    const size_t at = off;
+    off += (sizeof(float) * floats + 255) / 256 * 256;
+    return base ? reinterpret_cast<float*>(static_cast<char*>(base) + at) : nullptr;
+  };
+  const bool diag = a.precond != kPrecondIdentity;
+  const size_t rows = size_t(b.rows), key = rows * size_t(a.H) * size_t(b.Kp);
+  const size_t val = rows * size_t(a.HV) * size_t(a.V), vkey = rows * size_t(a.HV) * size_t(b.Kp);
+  const size_t ckpt = size_t(b.slots) * size_t(a.HV) * size_t(b.Kp) * size_t(a.V);
+  b.qn = take(key);
+  b.kn = take(key);
+  b.rq = take(rows * size_t(a.H));
+  b.rk = take(rows * size_t(a.H));
+  b.A = diag ? take(key) : nullptr;
+  b.M = diag ? take(key) : nullptr;
+  b.R = take(val);
+  b.dR = take(val);
+  b.S = take(ckpt);
+  b.G = take(ckpt);
+  b.dQ = take(vkey);
+  b.dKn = take(vkey);
+  b.dKW = take(vkey);
+  b.dA = diag ? take(key) : nullptr;
+  b.dcen = diag ? take(rows * size_t(a.H)) : nullptr;
+  const size_t per_chunk = size_t(b.slots) * size_t(a.H) * size_t(b.Kp);
+  b.sums = diag ? reinterpret_cast<float2*>(take(2 * per_chunk)) : nullptr;
+  b.carry = diag ? take(per_chunk) : nullptr;
+  return off;
+}
+
+}  // namespace dgps::cuda::kernels

@@ -1,0 +1,285 @@
+/// @brief GPU tests of dgps::cuda::backward against the float64 reference gradients: conformance cases, random
+/// cases of every covered model, determinism, host-side refusals, and dgps::backward on device pointers.
+///
+/// Float32 inputs: max|x - ref| / max|ref| within 1e-4 (SPEC §5), also against the cases' stored gold
+/// gradients. bf16 inputs: FLA's metric rms(x - ref) / rms(ref), 8e-3 for dq, dk, dv, dh0 and 2e-2 for
+/// the gate and preconditioner gradients, the reference running on the rounded inputs.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu_support.hpp"
+
+namespace dgps_gpu_test {
+namespace {
+
+/// A gradient destination on the device: its buffer, element count and element type.
+struct GradBuf {
+  DevBuf buf;
+  size_t n = 0;
+  DType type = DType::f32;
+};
+
+/// The float64 reference gradients of case `c` (SPEC §3.8) with the case's options: every input
+/// present, dh0 and (with a preconditioner) da0.
+Arrays reference_backward(const Case& c) {
+  dgps::Options opt = c.opt;
+  opt.backend = dgps::Backend::reference;
+  opt.threads = 0;
+  return dgps::dispatch(c.spec, [&]<class R>() { return dgps_test::run_backward<double, R>(c, opt); });
+}
+
+/// Runs dgps::cuda::backward on case `c` with q, k, v, do of type d and gates of type gd, asking for
+/// the gradients reference_backward computes (destinations poisoned with NaN first).
+Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl) {
+  const int64_t T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim,
+                N = c.N;
+  DeviceCase dc(c, d, gd, dgps::Algorithm::automatic);
+  dgps::cuda::GradParams g;
+  const DevBuf d_o = upload(c.arr.at("do"), d);
+  g.d_o = contiguous4(d_o, T, HV, V);
+  DevBuf dhT, daT;
+  if (c.has("dhT")) dhT = upload(c.arr.at("dhT"), DType::f32);
+  if (c.has("daT")) daT = upload(c.arr.at("daT"), DType::f32);
+  g.dhT = contiguous4(dhT, HV, K, V);
+  g.daT = contiguous4(daT, H, K, 1);
+  std::map<std::string, GradBuf> out;
+  const dgps::cuda::Params& p = dc.p;
+  const std::pair<const char*, std::pair<const dgps::cuda::Tensor*, dgps::cuda::Tensor*>> inputs[] = {
+      {"q", {&p.q, &g.dq}},
+      {"k", {&p.k, &g.dk}},
+      {"v", {&p.v, &g.dv}},
+      {"g", {&p.g, &g.dg}},
+      {"beta", {&p.beta, &g.dbeta}},
+      {"g_p", {&p.g_p, &g.dg_p}},
+      {"beta_p", {&p.beta_p, &g.dbeta_p}},
+      {"center", {&p.center, &g.dcenter}}};
+  for (const auto& [name, t] : inputs) {
+    if (!c.has(name)) continue;
+    const std::string n(name);
+    const DType type = n == "q" || n == "k" || n == "v" ? d : gd;
+    const size_t count = c.arr.at(n).size();
+    GradBuf& b = out["d" + n] = GradBuf{poisoned(count * elem_size(type)), count, type};
+    *t.second = *t.first;  // the input's strides
+    t.second->data = b.buf.p;
+  }
+  const size_t nh = size_t(N * HV * K * V), na = size_t(N * H * K);
+  out["dh0"] = GradBuf{poisoned(nh * 4), nh, DType::f32};
+  g.dh0 = contiguous4(out["dh0"].buf, HV, K, V);
+  if (dgps_test::has_precond_state(c.spec)) {
+    out["da0"] = GradBuf{poisoned(na * 4), na, DType::f32};
+    g.da0 = contiguous4(out["da0"].buf, H, K, 1);
+  }
+  *impl = dgps::cuda::backward(p, g, ws, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "backward");
+  Arrays r;
+  for (const auto& [n, b] : out) r[n] = download(b.buf, b.n, b.type);
+  return r;
+}
+
+/// FLA's metric rms(x - ref) / rms(ref) (rms(x - ref) when ref is zero); infinity if any x is not finite.
+double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {
+  if (x.size() != ref.size()) return INFINITY;
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) return INFINITY;
+    diff += (x[i] - ref[i]) * (x[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff / double(x.size() ? x.size() : 1));
+}
+
+/// The tolerance of gradient `n` for inputs of type d: 1e-4 (max relative error) for float32; with
+/// 16-bit inputs (rms_rel) 8e-3 for dq, dk, dv, dh0 and 2e-2 for the gate and preconditioner gradients.
+double grad_tolerance(const std::string& n, DType d) {
+  if (d == DType::f32) return 1e-4;
+  return n == "dq" || n == "dk" || n == "dv" || n == "dh0" ? 8e-3 : 2e-2;
+}
+
+/// Compares the GPU gradients (inputs of type d, gates gd) with the float64 reference on the rounded
+/// inputs and, for float32 when `gold` is given, with the case's stored gradients (case.json denominators).
+/// Returns the GPU gradients.
+Arrays compare_backward(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
+                        const Arrays* gold) {
+  std::string impl;
+  const Arrays got = gpu_backward(c, d, gd, ws, &impl);
+  const Arrays ref = reference_backward(rounded(c, d, gd));
+  for (const auto& [n, x] : got) {
+    double err = d == DType::f32 ? dgps_test::rel_err(x, ref.at(n)) : rms_rel(x, ref.at(n));
+    if (gold && d == DType::f32 && gold->count(n)) {
+      const auto dn = c.denom.find(n);
+      err = std::max(err, dgps_test::rel_err(x, gold->at(n), dn == c.denom.end() ? -1 : dn->second));
+    }
+    report("bwd/" + name + "/" + dgps::cuda::to_string(d), n.c_str(), err, grad_tolerance(n, d), impl);
+  }
+  return got;
+}
+
+/// Every conformance case the CUDA backward covers: float32 against the reference and the gold
+/// gradients; bf16 inputs (float32 gates) against the reference unless `quick`.
+void conformance(dgps::cuda::Workspace& ws, bool quick) {
+  for (const auto& name : dgps_test::case_names()) {
+    const Case c = dgps_test::load_case(name);
+    if (!dgps::cuda::supports_backward(c.spec)) {
+      std::printf("skip  bwd/conf/%-40s (exact preconditioner: not on the CUDA backend)\n", name.c_str());
+      continue;
+    }
+    compare_backward("conf/" + name, c, DType::f32, DType::f32, ws, &c.arr);
+    if (!quick) compare_backward("conf/" + name, c, DType::bf16, DType::f32, ws, nullptr);
+  }
+}
+
+/// True when two runs gave bitwise equal gradients (download's float64 values are exact and distinct
+/// for distinct bit patterns, so comparing their bytes compares the device buffers' bytes).
+bool bitwise_equal(const Arrays& a, const Arrays& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [n, x] : a) {
+    const auto it = b.find(n);
+    if (it == b.end() || it->second.size() != x.size() ||
+        std::memcmp(x.data(), it->second.data(), x.size() * sizeof(double)) != 0)
+      return false;
+  }
+  return true;
+}
+
+/// Random cases of every covered model (GVA, varlen with empty and one-token sequences, odd sizes,
+/// strong decay, long sequences) and the bitwise determinism of two bf16 runs; `quick`: one small case.
+void random_cases(dgps::cuda::Workspace& ws, bool quick) {
+  uint64_t seed = 7000;
+  if (quick) {
+    Case c = make_random("pgdn", {.batch = 1, .time = 130, .heads = 1, .v_heads = 2, .key_dim = 128, .value_dim = 128},
+                         {}, seed);
+    compare_backward("rand/pgdn/T130", c, DType::f32, DType::f32, ws, nullptr);
+    return;
+  }
+  for (const char* m : {"la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn", "pkda", "pmamba2"}) {
+    const std::string name = std::string("rand/") + m;
+    // K = V = 128 with GVA (HV = 2H), f32 and bf16.
+    Case c = make_random(m, {.batch = 2, .time = 300, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
+                         seed++);
+    compare_backward(name + "/B2T300H2HV4K128", c, DType::f32, DType::f32, ws, nullptr);
+    compare_backward(name + "/B2T300H2HV4K128", c, DType::bf16, DType::f32, ws, nullptr);
+    // K = V = 64, varlen with a one-token and an empty sequence, no initial states.
+    dgps_test::Gen g0;
+    g0.h0 = false;
+    g0.a0 = false;
+    Case v = make_random(m, {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
+                         {0, 100, 101, 101, 400, 700}, seed++, g0);
+    compare_backward(name + "/varlen_K64", v, DType::f32, DType::f32, ws, nullptr);
+    // Sizes that are not powers of two; GVA x4.
+    Case o =
+        make_random(m, {.batch = 3, .time = 77, .heads = 1, .v_heads = 4, .key_dim = 100, .value_dim = 48}, {}, seed++);
+    compare_backward(name + "/B3T77K100V48", o, DType::f32, DType::f32, ws, nullptr);
+  }
+  // Very strong decay (SPEC §5): every gradient finite and within tolerance.
+  dgps_test::Gen strong;
+  strong.g_lo = -50, strong.g_hi = -10;
+  for (const char* m : {"gdn", "kda", "pkda"}) {
+    Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, strong);
+    compare_backward(std::string("rand/") + m + "/strong_decay", c, DType::f32, DType::f32, ws, nullptr);
+  }
+  // A large case, bf16; a second run must give bitwise equal gradients (fixed-order reductions).
+  for (const char* m : {"pgdn", "pkda"}) {
+    const std::string name = std::string("rand/") + m + "/B2T2048H4K128";
+    Case big = make_random(m, {.batch = 2, .time = 2048, .heads = 4, .v_heads = 4, .key_dim = 128, .value_dim = 128},
+                           {}, seed++);
+    const Arrays first = compare_backward(name, big, DType::bf16, DType::f32, ws, nullptr);
+    std::string impl;
+    const Arrays second = gpu_backward(big, DType::bf16, DType::f32, ws, &impl);
+    report_check(bitwise_equal(first, second), "bwd/" + name + "/bf16 deterministic: two runs bitwise equal");
+  }
+}
+
+/// True when every byte of `b` is still 0xff (the poison of `poisoned`).
+bool still_poisoned(const DevBuf& b) {
+  std::vector<unsigned char> host(b.bytes);
+  check_cuda(cudaMemcpy(host.data(), b.p, b.bytes, cudaMemcpyDeviceToHost), "read back");
+  for (unsigned char x : host)
+    if (x != 0xff) return false;
+  return true;
+}
+
+/// Expects dgps::cuda::backward(p, g) to throw dgps::Error with a message, writing nothing to `dst`.
+void expect_refusal(const std::string& what, const dgps::cuda::Params& p, const dgps::cuda::GradParams& g,
+                    const DevBuf& dst, dgps::cuda::Workspace& ws) {
+  std::string msg;
+  try {
+    dgps::cuda::backward(p, g, ws, nullptr);
+  } catch (const dgps::Error& e) {
+    msg = e.what();
+  }
+  check_cuda(cudaDeviceSynchronize(), "refused backward");
+  report_check(!msg.empty() && still_poisoned(dst),
+               "bwd/refuses/" + what + ": " + (msg.empty() ? std::string("(no error)") : msg));
+}
+
+/// Calls backward must refuse on the host: no d_o, dg without g, an exact preconditioner.
+void validation(dgps::cuda::Workspace& ws) {
+  const dgps::Shape s{.batch = 1, .time = 20, .heads = 1, .v_heads = 1, .key_dim = 32, .value_dim = 32};
+  const int64_t T = s.time, H = s.heads, HV = s.v_heads, K = s.key_dim, V = s.value_dim;
+  Case pg = make_random("pgdn", s, {}, 31);
+  DeviceCase dpg(pg, DType::f32, DType::f32, dgps::Algorithm::automatic);
+  const DevBuf d_o = upload(pg.arr.at("do"), DType::f32);
+  DevBuf dq = poisoned(pg.arr.at("q").size() * 4), dg = poisoned(size_t(T * HV) * 4);
+  dgps::cuda::GradParams g;
+  g.dq = contiguous4(dq, T, H, K);
+  expect_refusal("no d_o", dpg.p, g, dq, ws);
+  g.d_o = contiguous4(d_o, T, HV, V);
+  dgps::cuda::Params exact = dpg.p;
+  exact.spec.precond = dgps::precond::Kind::exact_atk;
+  expect_refusal("exact preconditioner", exact, g, dq, ws);
+  Case dn = make_random("dn", s, {}, 32);
+  DeviceCase ddn(dn, DType::f32, DType::f32, dgps::Algorithm::automatic);
+  dgps::cuda::GradParams gn;
+  gn.d_o = contiguous4(d_o, T, HV, V);
+  gn.dg = contiguous4(dg, T, HV, 1);
+  expect_refusal("dg without g (dn)", ddn.p, gn, dg, ws);
+}
+
+/// dgps::backward with float32 device pointers runs on the CUDA backend (pgdn, varlen, GVA).
+void public_api() {
+  Case c = make_random("pgdn", {.batch = 1, .time = 150, .heads = 2, .v_heads = 4, .key_dim = 64, .value_dim = 32},
+                       {0, 50, 150}, 998);
+  const Arrays ref = reference_backward(rounded(c, DType::f32, DType::f32));
+  std::map<std::string, DevBuf> b;
+  for (const auto& [n, v] : c.arr) b[n] = upload(v, DType::f32);
+  for (const auto& [n, v] : ref) b[n] = poisoned(v.size() * 4);
+  DevBuf cu(c.cu.size() * 8);
+  check_cuda(cudaMemcpy(cu.p, c.cu.data(), cu.bytes, cudaMemcpyHostToDevice), "cu");
+  auto f = [&](const char* n) { return static_cast<float*>(b.at(n).p); };
+  auto in = dgps::inputs<float>(c.shape, f("q"), f("k"), f("v"));
+  in.decay(f("g")).gain(f("beta")).precond(f("g_p"), f("beta_p"), f("center")).initial_state(f("h0"), f("a0"));
+  in.varlen(static_cast<const int64_t*>(cu.p), 2);
+  const auto gi = dgps::grads_in<float>(f("do"), f("dhT"), f("daT"));
+  dgps::Grads<float> gr;
+  gr.dq = dgps::Out<float>(f("dq")).view, gr.dk = dgps::Out<float>(f("dk")).view;
+  gr.dv = dgps::Out<float>(f("dv")).view, gr.dg = dgps::Out<float>(f("dg")).view;
+  gr.dbeta = dgps::Out<float>(f("dbeta")).view, gr.dg_p = dgps::Out<float>(f("dg_p")).view;
+  gr.dbeta_p = dgps::Out<float>(f("dbeta_p")).view, gr.dcenter = dgps::Out<float>(f("dcenter")).view;
+  gr.dh0 = dgps::Out<float>(f("dh0")).view, gr.da0 = dgps::Out<float>(f("da0")).view;
+  const dgps::RunInfo info = dgps::backward<dgps::PGDN>(in, gi, gr);
+  check_cuda(cudaDeviceSynchronize(), "dgps::backward");
+  report_check(info.backend == dgps::Backend::cuda, std::string("dgps::backward on device pointers chose backend ") +
+                                                        dgps::to_string(info.backend) + " (" + info.impl + ")");
+  for (const auto& [n, v] : ref)
+    report("bwd/api/pgdn/varlen", n.c_str(), dgps_test::rel_err(download(b.at(n), v.size(), DType::f32), v), 1e-4,
+           info.impl);
+}
+
+}  // namespace
+
+/// The backward-pass tests (declared in gpu_support.hpp).
+void backward_tests(dgps::cuda::Workspace& ws, bool quick) {
+  conformance(ws, quick);
+  random_cases(ws, quick);
+  if (quick) return;
+  validation(ws);
+  public_api();
+}
+
+}  // namespace dgps_gpu_test
