@@ -174,7 +174,7 @@ def main():
     if not only or "bwd" in only:
         allow_hopper_gated_backward()
     for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("pkda", 8, 2048)):
-        if only and "bwd" not in only:
+        if only and ("bwd" not in only or (len(only) > 1 and m not in only)):  # "bwd" or e.g. "gdn,bwd"
             continue
         try:
             training(m, B, T, 16)

@@ -126,6 +126,7 @@ __global__ void stats_local_kernel(const BwdArgs b) {
   const int h = blockIdx.y, c = threadIdx.x;
   const Seq s = seq_of(b.a, n);
   float P = 1.f, x = 0.f;
+#pragma unroll 8
   for (int64_t i = k * kBwdChunk, i1 = chunk_end(s, k); i < i1; ++i) {
     const float2 st = stats_step(b, s, i, h, c);
     x = fmaf(st.x, x, st.y);
@@ -160,6 +161,7 @@ __global__ void stats_apply_kernel(const BwdArgs b) {
   const Seq s = seq_of(a, n);
   const float center = load_gate(a.center, h, a.gate_dtype);
   float A = b.carry[(int64_t(blockIdx.x) * a.H + h) * b.Kp + c];
+#pragma unroll 8
   for (int64_t i = k * kBwdChunk, i1 = chunk_end(s, k); i < i1; ++i) {
     const float2 st = stats_step(b, s, i, h, c);
     A = fmaf(st.x, A, st.y);
@@ -180,7 +182,7 @@ __device__ __forceinline__ void store_state(float* buf, int64_t slot, int hv, co
 /// Warps per block of the state kernels (they share the staged token vectors of one value head).
 constexpr int kStateWarps = 4;
 /// Tokens staged in shared memory at a time by the state kernels.
-constexpr int kStateStage = 16;
+constexpr int kStateStage = 8;
 
 /// Shared-memory layout of the state kernels: kStateStage tokens of up to three KT-vectors (padded
 /// so that the PARTS row segments of a float4 read fall in different banks), the diagonal decays,
@@ -196,40 +198,68 @@ struct StateLayout {
   static __device__ __forceinline__ int pos(int c) { return c + 4 * (c / R); }
 };
 
-/// Stages tokens t0 .. t0 + L - 1 of sequence s for the state kernels (zeros past the end): the
-/// vectors `vec[x]` (x < nvec) of each token (0: read key kn; 1: write key kw; 2: read query qr), e^g
-/// per channel for Diagonal decay, the scalar decay and gain, and column values `cols` (v or do).
-template <class Tin, int KT, int COLS>
-__device__ __forceinline__ void stage_tokens(const BwdArgs& b, const Seq& s, int64_t t0, int h, int hv, int col0,
-                                             int nvec, const Tin* cols, const int64_t* scols, float* sm) {
+/// One staging of kStateStage tokens for the state kernels, held in registers between its global
+/// loads and its shared-memory stores, so that the next tile's loads are in flight while the current
+/// tile is computed: each token's read key kn, M (preconditioners), qn (with WANT_Q), the gates (g
+/// per channel for Diagonal decay, scalar g, gain) and the block's columns of v or do.
+template <class Tin, int KT, int COLS, bool WANT_Q>
+struct TokenTile {
   using SL = StateLayout<KT, COLS>;
-  constexpr int L = SL::L, KP = SL::KP;
-  const RecArgs& a = b.a;
-  const int tid = threadIdx.x;
-  const bool atk = a.precond == kPrecondATK, atq = a.precond == kPrecondATQ;
-  for (int e = tid; e < L * KT; e += kStateWarps * 32) {
-    const int i = e / KT, c = e % KT, p = i * KP + SL::pos(c);
-    const bool ok = t0 + i < s.len;
-    const int64_t w = ((s.row0 + t0 + i) * a.H + h) * KT + c;
-    const float kn = ok ? b.kn[w] : 0.f, m = ok && (atk || atq) ? b.M[w] : 1.f;
-    sm[SL::kVec + p] = kn;
-    sm[SL::kVec + L * KP + p] = atk ? kn * m : kn;
-    if (nvec > 2) sm[SL::kVec + 2 * L * KP + p] = ok ? (atq ? b.qn[w] * m : b.qn[w]) : 0.f;
-    if (a.decay == kDecayDiagonal)
-      sm[SL::kDiag + p] =
-          ok && c < a.K ? expf(load_gate(a.g, at(a.sg, s.b, s.t0 + t0 + i, hv, c), a.gate_dtype)) : 1.f;
+  static constexpr int NT = kStateWarps * 32, L = SL::L, NE = L * KT / NT, NC = (L * SL::NCOL + NT - 1) / NT;
+  static_assert(L * KT % NT == 0, "whole staging rounds");
+  float kn[NE], m[NE], q[WANT_Q ? NE : 1], g[NE], col[NC], dec = 0.f, gn = 0.f;
+
+  /// The global reads of tokens t0 .. t0 + L - 1 of sequence s (zeros past its end).
+  __device__ __forceinline__ void load(const BwdArgs& b, const Seq& s, int64_t t0, int h, int hv, int col0,
+                                       const Tin* cols, const int64_t* scols) {
+    const RecArgs& a = b.a;
+    const int tid = threadIdx.x;
+    const bool has_m = a.precond != kPrecondIdentity, diag = a.decay == kDecayDiagonal;
+#pragma unroll
+    for (int u = 0; u < NE; ++u) {
+      const int e = tid + u * NT, i = e / KT, c = e % KT;
+      const bool ok = t0 + i < s.len;
+      const int64_t w = ((s.row0 + t0 + i) * a.H + h) * KT + c;
+      kn[u] = ok ? b.kn[w] : 0.f;
+      m[u] = ok && has_m ? b.M[w] : 1.f;
+      if (WANT_Q) q[u] = ok ? b.qn[w] : 0.f;
+      g[u] = ok && diag && c < a.K ? load_gate(a.g, at(a.sg, s.b, s.t0 + t0 + i, hv, c), a.gate_dtype) : 0.f;
+    }
+    if (tid < L) {
+      const bool ok = t0 + tid < s.len;
+      const int64_t t = s.t0 + t0 + tid;
+      dec = ok && a.decay == kDecayScalar ? load_gate(a.g, at(a.sg, s.b, t, hv), a.gate_dtype) : 0.f;
+      gn = ok ? gain(a, s.b, t, hv) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < NC; ++u) {
+      const int e = tid + u * NT, i = e / SL::NCOL, vc = col0 + e % SL::NCOL;
+      col[u] = e < L * SL::NCOL && t0 + i < s.len && vc < a.V ? to_float(cols[at(scols, s.b, s.t0 + t0 + i, hv, vc)])
+                                                              : 0.f;
+    }
   }
-  if (tid < L) {
-    const bool ok = t0 + tid < s.len;
-    const int64_t t = s.t0 + t0 + tid;
-    sm[SL::kDec + tid] = ok ? scalar_decay(a, s.b, t, hv) : 1.f;
-    sm[SL::kGain + tid] = ok ? gain(a, s.b, t, hv) : 0.f;
+
+  /// Writes the tile to shared memory: kn, the write key kw, the read query qr, e^g, e^{scalar g}, gain, columns.
+  __device__ __forceinline__ void store(const RecArgs& a, float* sm) const {
+    const int tid = threadIdx.x;
+    const bool atk = a.precond == kPrecondATK, atq = a.precond == kPrecondATQ;
+#pragma unroll
+    for (int u = 0; u < NE; ++u) {
+      const int e = tid + u * NT, p = (e / KT) * SL::KP + SL::pos(e % KT);
+      sm[SL::kVec + p] = kn[u];
+      sm[SL::kVec + L * SL::KP + p] = atk ? kn[u] * m[u] : kn[u];
+      if (WANT_Q) sm[SL::kVec + 2 * L * SL::KP + p] = atq ? q[u] * m[u] : q[u];
+      if (a.decay == kDecayDiagonal) sm[SL::kDiag + p] = __expf(g[u]);
+    }
+    if (tid < L) {
+      sm[SL::kDec + tid] = __expf(dec);
+      sm[SL::kGain + tid] = gn;
+    }
+#pragma unroll
+    for (int u = 0; u < NC; ++u)
+      if (tid + u * NT < L * SL::NCOL) sm[SL::kCol + tid + u * NT] = col[u];
   }
-  for (int e = tid; e < L * SL::NCOL; e += kStateWarps * 32) {
-    const int i = e / SL::NCOL, j = e % SL::NCOL, vc = col0 + j;
-    sm[SL::kCol + e] = t0 + i < s.len && vc < a.V ? to_float(cols[at(scols, s.b, s.t0 + t0 + i, hv, vc)]) : 0.f;
-  }
-}
+};
 
 /// x . y over this thread's R rows of a staged vector (float4 reads from shared memory).
 template <int R>
@@ -273,7 +303,7 @@ __device__ __forceinline__ void decay_rows(float* S, bool diag, const float* dg,
 }
 
 /// 3. The forward recurrence per (sequence n, value head, 4 COLS value columns; 4 warps, one per COLS
-/// columns): residuals and chunk-entry states; the token vectors go through shared memory 16 at a time.
+/// columns): residuals and chunk-entry states; the token vectors go through shared memory 8 at a time (TokenTile).
 template <class Tin, int KT, int COLS>
 __global__ void __launch_bounds__(kStateWarps * 32) state_fwd_kernel(const BwdArgs b) {
   using SL = StateLayout<KT, COLS>;
@@ -293,11 +323,15 @@ __global__ void __launch_bounds__(kStateWarps * 32) state_fwd_kernel(const BwdAr
     S[i] = (a.h0 && vok && c < a.K) ? a.h0[n * a.sh0[0] + hv * a.sh0[1] + c * a.sh0[2] + vcol] : 0.f;
   }
   const int off = SL::pos(part * R);
+  TokenTile<Tin, KT, COLS, false> tile;
+  const Tin* v = static_cast<const Tin*>(a.v);
+  if (s.len > 0) tile.load(b, s, 0, h, hv, col0, v, a.sv);
 #pragma unroll 1
   for (int64_t t0 = 0; t0 < s.len; t0 += L) {
     __syncthreads();
-    stage_tokens<Tin, KT, COLS>(b, s, t0, h, hv, col0, 2, static_cast<const Tin*>(a.v), a.sv, sm);
+    tile.store(a, sm);
     __syncthreads();
+    if (t0 + L < s.len) tile.load(b, s, t0 + L, h, hv, col0, v, a.sv);  // in flight during this tile
     const int nt = int(s.len - t0 < L ? s.len - t0 : L);
 #pragma unroll 1
     for (int i = 0; i < nt; ++i) {
@@ -335,12 +369,16 @@ __global__ void __launch_bounds__(kStateWarps * 32) state_rev_kernel(const BwdAr
   }
   const int off = SL::pos(part * R);
   const int64_t ntiles = (s.len + L - 1) / L;
+  TokenTile<Tin, KT, COLS, true> tile;
+  const Tin* d_o = static_cast<const Tin*>(b.d_o);
+  if (ntiles > 0) tile.load(b, s, (ntiles - 1) * L, h, hv, col0, d_o, b.sdo);
 #pragma unroll 1
-  for (int64_t tile = ntiles - 1; tile >= 0; --tile) {
-    const int64_t t0 = tile * L;
+  for (int64_t k = ntiles - 1; k >= 0; --k) {
+    const int64_t t0 = k * L;
     __syncthreads();
-    stage_tokens<Tin, KT, COLS>(b, s, t0, h, hv, col0, 3, static_cast<const Tin*>(b.d_o), b.sdo, sm);
+    tile.store(a, sm);
     __syncthreads();
+    if (k > 0) tile.load(b, s, t0 - L, h, hv, col0, d_o, b.sdo);  // in flight during this tile
     const int nt = int(s.len - t0 < L ? s.len - t0 : L);
 #pragma unroll 1
     for (int i = nt - 1; i >= 0; --i) {
@@ -430,7 +468,7 @@ __global__ void __launch_bounds__(256, 1) chunk_grad_kernel(const BwdArgs b) {
 #pragma unroll 1
   for (int v0 = 0; v0 < a.V; v0 += VTILE) {
     __syncthreads();
-    for (int e = tid; e < C * VTILE; e += 256) {
+    for (int e = tid; e < C * VTILE; e += 256) {  // (unrolling these loads costs registers: spills)
       const int i = e / VTILE, vv = e % VTILE, vc = v0 + vv;
       const bool ok = i < Lc && vc < a.V;
       const int64_t row = s.row0 + i0 + i, t = s.t0 + i0 + i;
@@ -504,6 +542,7 @@ __global__ void __launch_bounds__(256, 1) chunk_grad_kernel(const BwdArgs b) {
     if (DIAG && tid < 64) {
       const int c = 64 * hf + tid;
       float gsum = 0.f;
+#pragma unroll 16
       for (int i = 0; i < C; ++i) {
         if (i < Lc && c < a.K) gsum += load_gate(a.g, at(a.sg, s.b, s.t0 + i0 + i, hv, c), a.gate_dtype);
         sG[i * LC + tid] = gsum;
@@ -717,6 +756,7 @@ __global__ void stats_rev_local_kernel(const BwdArgs b) {
   const int h = blockIdx.y, c = threadIdx.x;
   const Seq s = seq_of(a, n);
   float P = 1.f, carry = 0.f;
+#pragma unroll 8
   for (int64_t i = chunk_end(s, k) - 1; i >= k * kBwdChunk; --i) {
     const float gp = expf(load_gate(a.g_p, at(a.sgp, s.b, s.t0 + i, h), a.gate_dtype));
     carry = gp * (b.dA[((s.row0 + i) * a.H + h) * b.Kp + c] + carry);
@@ -754,6 +794,7 @@ __global__ void stats_rev_apply_kernel(const BwdArgs b) {
   const Seq s = seq_of(a, n);
   const float a0 = (a.a0 && c < a.K) ? a.a0[n * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
   float carry = b.carry[(int64_t(blockIdx.x) * a.H + h) * b.Kp + c];
+#pragma unroll 8
   for (int64_t i = chunk_end(s, k) - 1; i >= k * kBwdChunk; --i) {
     const int64_t e = ((s.row0 + i) * a.H + h) * b.Kp + c;
     const float gp = expf(load_gate(a.g_p, at(a.sgp, s.b, s.t0 + i, h), a.gate_dtype));
