@@ -35,6 +35,18 @@ inline std::vector<int64_t> placeholder_offsets(const TensorView<const int64_t>&
   return h;
 }
 
+/// `in` with a device `cu_seqlens` replaced by host placeholder offsets (kept alive in `cu`), for the
+/// host-side shape checks of check.hpp.
+template <class T>
+Inputs<T> host_inputs(const Inputs<T>& in, std::vector<int64_t>& cu) {
+  Inputs<T> host = in;
+  if (in.cu_seqlens.data) {
+    cu = placeholder_offsets(in.cu_seqlens, in.shape.time);
+    host.cu_seqlens = TensorView<const int64_t>(cu.data(), {static_cast<int64_t>(cu.size())});
+  }
+  return host;
+}
+
 template <class T>
 void require_float_for_cuda() {
   if constexpr (!std::is_same_v<T, float>)
@@ -51,12 +63,8 @@ RunInfo cuda_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& 
     throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " algorithm for " +
                 to_string(spec_of<R>()));
   if constexpr (std::is_same_v<T, float>) {
-    Inputs<T> host = in;
     std::vector<int64_t> cu;
-    if (in.cu_seqlens.data) {
-      cu = placeholder_offsets(in.cu_seqlens, in.shape.time);
-      host.cu_seqlens = TensorView<const int64_t>(cu.data(), {static_cast<int64_t>(cu.size())});
-    }
+    const Inputs<T> host = host_inputs(in, cu);
     const Problem<T> p = check_forward<R>(host, out, opt);
     cuda::Workspace ws;
     const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, opt.algorithm);
@@ -92,12 +100,8 @@ RunInfo cuda_backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>
     throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " backward for " +
                 to_string(spec_of<R>()));
   if constexpr (std::is_same_v<T, float>) {
-    Inputs<T> host = in;
     std::vector<int64_t> cu;
-    if (in.cu_seqlens.data) {
-      cu = placeholder_offsets(in.cu_seqlens, in.shape.time);
-      host.cu_seqlens = TensorView<const int64_t>(cu.data(), {static_cast<int64_t>(cu.size())});
-    }
+    const Inputs<T> host = host_inputs(in, cu);
     const Problem<T> p = check_backward<R>(host, gin, grads, opt);
     cuda::Workspace ws;
     const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, Algorithm::recurrent);
