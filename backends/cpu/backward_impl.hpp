@@ -1,6 +1,6 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
-/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, squash_inplace, Setup,
+/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, log_v, Setup,
 /// Scratch), into the same per-ISA anonymous namespace. One task per (sequence n, key head h):
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
 ///     read queries / write keys (as the forward kernel does);
@@ -10,7 +10,10 @@
 ///     gradients of the read queries, read keys and write keys of every token (summed over the
 ///     group's value heads, GVA);
 ///  3. a reverse token pass chains those through the preconditioner statistics (dk, dg_p, dbeta_p,
-///     dcenter, da0) and through the L2 norm and scale (dq, dk).
+///     dcenter, da0) and through the L2 norm and scale (dq, dk); it runs chunk by chunk inside the
+///     last value head's reverse sweep, while the chunk's token gradients are still in cache.
+/// Diagonal decay: the pairs of a kSub-row diagonal block go through the same factored product as
+/// the earlier rows when the block's gates span at most kFactorRange (else one exponential per pair).
 ///
 /// Per chunk (rows i, j; gamma the chunk-local cumulative gate; E = e^gamma, Ed = e^{gamma_C - gamma}):
 ///   Bm[i,j] = sum_c K[i,c] KW[j,c] e^{gamma_ic - gamma_jc} (j < i),  Akk = Diag(beta) Bm,
@@ -21,6 +24,7 @@
 ///   dS_in = Diag(e^{gamma_C}) dS_out + (Q ⊙ E)^T dO - (beta K ⊙ E)^T dX; every exponential factor is
 ///   a difference of gates (sub-blocks of kSub rows for diagonal decay), so g = -50 stays finite.
 
+#include <new>
 #include <type_traits>
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
@@ -65,16 +69,56 @@ void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, in
     for (int64_t j = i < r4 ? c4 : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
 }
 
-/// A 64-byte aligned block owned by one task, left uninitialised (every element used is written first).
+/// Scratch memory of one backward task: 64-byte aligned, left uninitialised (every element used is
+/// written first). Up to kKeepBytes it is a block kept by the calling thread across tasks and calls
+/// (grown on demand, freed at thread exit): a fresh multi-megabyte block per task paid a page fault
+/// per 4 KB on first touch. A larger request (a long sequence) gets a block of its own, freed with
+/// the lease, so that no thread keeps more than kKeepBytes alive. One lease at a time per thread
+/// (the backward tasks run no nested parallel work).
 template <class T>
-struct RawScratch {
-  T* base = nullptr;
-  explicit RawScratch(int64_t n) {
-    base = static_cast<T*>(std::aligned_alloc(64, size_t(round_up(n * int64_t(sizeof(T)), 64))));
+class ScratchLease {
+ public:
+  static constexpr size_t kKeepBytes = size_t(64) << 20;
+  explicit ScratchLease(int64_t n) {
+    const size_t bytes = size_t(round_up(n * int64_t(sizeof(T)), 64));
+    if (bytes > kKeepBytes) {
+      own_ = allocate(bytes);
+      ptr_ = own_;
+      return;
+    }
+    Block& blk = kept();
+    if (bytes > blk.bytes) {
+      std::free(blk.ptr);
+      blk.ptr = nullptr;
+      blk.bytes = 0;
+      blk.ptr = allocate(bytes);
+      blk.bytes = bytes;
+    }
+    ptr_ = blk.ptr;
   }
-  ~RawScratch() { std::free(base); }
-  RawScratch(const RawScratch&) = delete;
-  RawScratch& operator=(const RawScratch&) = delete;
+  ~ScratchLease() { std::free(own_); }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  /// The block.
+  T* get() const { return static_cast<T*>(ptr_); }
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    ~Block() { std::free(ptr); }
+  };
+  static Block& kept() {
+    thread_local Block blk;
+    return blk;
+  }
+  static void* allocate(size_t bytes) {
+    void* p = std::aligned_alloc(64, bytes);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void* ptr_ = nullptr;
+  void* own_ = nullptr;
 };
 
 /// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
@@ -131,18 +175,17 @@ inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
   return m;
 }
 
-/// 1 / sqrt(sum x^2 + 1e-6) of one row (SPEC §1).
+/// 1 / sqrt(sum x^2 + 1e-6) of one row (SPEC §1), the sum in vector lanes.
 template <class T>
 inline T row_rstd(const T* x, int64_t K) {
-  T ss = 0;
-  for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
-  return T(1) / std::sqrt(ss + T(1e-6));
+  return T(1) / std::sqrt(dotv(x, x, K) + T(1e-6));
 }
 
-/// D[i] = dM/dA at A[i] given M[i] = squash(A[i]) (SPEC §2): M (-log x) / ((1 + |r|)^2 (A + eps)),
-/// r = log(A + eps) - center; 0 where A + eps <= 0. n a multiple of the vector length for float.
+/// M[i] = squash(A[i]) (SPEC §2) and D[i] = dM/dA there, M (-log x) / ((1 + |r|)^2 (A + eps)) with
+/// r = log(A + eps) - center, in one pass (one log per element); D = 0 where A + eps <= 0 (as the
+/// reference). n a multiple of the vector length for float.
 template <class T>
-void squash_slope(const T* A, const T* M, T* D, int64_t n, T center, T log_x, T eps) {
+void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
   int64_t i = 0;
   if constexpr (sizeof(T) == 4) {
     constexpr int L = Vec<float>::L;
@@ -153,21 +196,15 @@ void squash_slope(const T* A, const T* M, T* D, int64_t n, T center, T log_x, T 
       if (normal) {
         const VF r = log_v(ae) - center;
         const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
-        vstore(D + i, vload(M + i) * -log_x / (den * den * ae));
+        const VF m = exp_v(-log_x * (r / den));
+        vstore(M + i, m);
+        vstore(D + i, m * -log_x / (den * den * ae));
       } else {
-        for (int l = 0; l < L; ++l) squash_grad1(A[i + l], center, log_x, eps, D + i + l);
+        for (int l = 0; l < L; ++l) M[i + l] = squash_grad1(A[i + l], center, log_x, eps, D + i + l);
       }
     }
   }
-  for (; i < n; ++i) {
-    const T ae = A[i] + eps;
-    if (!(ae > T(0))) {
-      D[i] = 0;
-      continue;
-    }
-    const T den = T(1) + std::fabs(std::log(ae) - center);
-    D[i] = M[i] * -log_x / (den * den * ae);
-  }
+  for (; i < n; ++i) M[i] = squash_grad1(A[i], center, log_x, eps, D + i);
 }
 
 /// Backward of the L2 norm and scale of SPEC §1 (y = mul * xhat, xhat = x * rstd) from the normalised
@@ -187,6 +224,7 @@ inline void norm_backward(const T* xhat, T rstd, int64_t K, bool norm, T mul, co
 template <class T>
 void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
   const Setup<T> s(p);
+  using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   const int64_t n = task / p.H, h = task % p.H;
   const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), si = state_index(p, n);
@@ -202,7 +240,9 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
 
   // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
   // Per token [len, Kp]: normalised q, k, read queries, write keys, squash M, statistics A_t, dM/dA, the
-  // gradients of the read queries, read keys and write keys (summed over the value heads); [len]: rstd.
+  // gradients of the read queries, read keys and write keys (summed over the value heads; with one
+  // value head per group only the current chunk's rows [C, Kp], as step 3 consumes them chunk by
+  // chunk: row t at grad_row(t)); [len]: rstd.
   T *Qn = nullptr, *Kn = nullptr, *Qr = nullptr, *KW = nullptr, *Mt = nullptr, *At = nullptr, *Dt = nullptr;
   T *dQr = nullptr, *dKn = nullptr, *dKW = nullptr;
   // Per chunk of one value head: S_in^T [Vd, Kp], R^T [Vd, Cp], R [C, Vp], Bm and Aq [C, Cp].
@@ -229,15 +269,17 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
     const int64_t nt = len * Kp;
-    take(Qn, nt), take(Kn, nt), take(dQr, nt), take(dKn, nt), take(dKW, nt), take(rq, len), take(rk, len);
+    const int64_t ng = (r == 1 ? C : len) * Kp;
+    take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, len), take(rk, len);
     take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
     take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt : 0), take(Dt, s.diag_pre ? nt : 0);
     take(SinT, nch * Vd * Kp), take(RT, nch * Vd * Cp), take(Rs, nch * C * Vp), take(Bms, nch * C * Cp);
     take(Aqs, nch * C * Cp);
     return off;
   };
-  RawScratch<T> big(big_layout(nullptr));
-  big_layout(big.base);
+  const ScratchLease<T> scratch(big_layout(nullptr));
+  big_layout(scratch.get());
+  auto grad_row = [&](int64_t t) { return (r == 1 ? t % C : t) * Kp; };
   if (!s.atq) Qr = Qn;
   if (!s.atk) KW = Kn;
   auto layout = [&](T* base) {
@@ -290,8 +332,6 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   }
   if (s.diag_pre) {
-    std::memcpy(Mt, At, size_t(len * Kp) * sizeof(T));
-    squash_inplace(Mt, len * Kp, ctr, s.log_x, s.eps);
     squash_slope(At, Mt, Dt, len * Kp, ctr, s.log_x, s.eps);
   }
   if (s.atq)
@@ -323,8 +363,8 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       for (int64_t i = 0; i < c; ++i) Gam[i] = scal ? s.grow(b, t0 + cs + i, hv)[0] + (i ? Gam[i - 1] : T(0)) : T(0);
       const T gC = Gam[c - 1];
       for (int64_t i = 0; i < c; ++i) {
-        const T e = std::exp(Gam[i]), ed = std::exp(gC - Gam[i]);
-        for (int64_t ch = 0; ch < Kp; ++ch) E[i * Kp + ch] = e, Ed[i * Kp + ch] = ed;
+        const V e = vsplat(std::exp(Gam[i])), ed = vsplat(std::exp(gC - Gam[i]));
+        for (int64_t ch = 0; ch < Kp; ch += L) vstore(E + i * Kp + ch, e), vstore(Ed + i * Kp + ch, ed);
       }
       const T ec = std::exp(gC);
       for (int64_t ch = 0; ch < Kp; ++ch) eC[ch] = ec;
@@ -333,11 +373,13 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       const T* q = Qr + (cs + i) * Kp;
       const T* k = Kn + (cs + i) * Kp;
       const T* w = KW + (cs + i) * Kp;
-      for (int64_t ch = 0; ch < Kp; ++ch) {
-        Kne[i * Kp + ch] = k[ch] * E[i * Kp + ch];
-        Kd[i * Kp + ch] = Bt[i] * Kne[i * Kp + ch];
-        Qd[i * Kp + ch] = q[ch] * E[i * Kp + ch];
-        KWd[i * Kp + ch] = w[ch] * Ed[i * Kp + ch];
+      const int64_t o = i * Kp;
+      for (int64_t ch = 0; ch < Kp; ch += L) {
+        const V e = vload(E + o + ch), kne = vload(k + ch) * e;
+        vstore(Kne + o + ch, kne);
+        vstore(Kd + o + ch, Bt[i] * kne);
+        vstore(Qd + o + ch, vload(q + ch) * e);
+        vstore(KWd + o + ch, vload(w + ch) * vload(Ed + o + ch));
       }
     }
     // Transposes: KWd^T and KW^T for the forward sweep; [Qd^T | Kd^T] for the reverse one.
@@ -355,10 +397,11 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   };
 
-  // Diagonal decay, rows [i0, i0 + nb) against earlier rows j < i0: e^{gamma_i - gamma_j} =
-  // Fi_i * Fj_j with Fi = e^{gamma_i - gamma_i0}, Fj = e^{gamma_i0 - gamma_j}, both <= 1 for g <= 0.
-  // Fills Fi, LQK = [Q ⊙ Fi (kSub rows); K ⊙ Fi (kSub rows)], Fj and KWt = KW ⊙ Fj (rows j < i0).
-  auto sub_block = [&](int64_t cs, int64_t i0, int64_t nb) {
+  // Diagonal decay, rows [i0, i0 + nb) against rows j < jn: e^{gamma_i - gamma_j} = Fi_i * Fj_j with
+  // Fi = e^{gamma_i - gamma_i0}, Fj = e^{gamma_i0 - gamma_j}, both <= 1 for g <= 0 and j < i0 (jn = i0);
+  // jn = i0 + nb also takes the block's own rows, where Fj >= 1 (see `factorable`).
+  // Fills Fi, LQK = [Q ⊙ Fi (kSub rows); K ⊙ Fi (kSub rows)], Fj and KWt = KW ⊙ Fj (rows j < jn).
+  auto sub_block = [&](int64_t cs, int64_t i0, int64_t nb, int64_t jn) {
     const T* g0 = Gam + i0 * Kp;
     std::memset(LQK, 0, size_t(S2 * Kp) * sizeof(T));
     for (int64_t i = 0; i < nb; ++i) {
@@ -370,7 +413,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         LQK[(kSub + i) * Kp + ch] = Kn[(cs + i0 + i) * Kp + ch] * f[ch];
       }
     }
-    for (int64_t j = 0; j < i0; ++j) {
+    for (int64_t j = 0; j < jn; ++j) {
       T* f = Fj + j * Kp;
       for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = g0[ch] - Gam[j * Kp + ch];
       exp_inplace(f, Kp);
@@ -378,47 +421,84 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   };
 
-  // Intra-chunk matrices Bm (strictly lower, without beta) and Aq (lower with the diagonal) (SPEC §4).
+  // Diagonal decay: whether the pairs inside block [i0, i0 + nb) may use the factored gates of
+  // sub_block (|gamma_i - gamma_i0| <= kFactorRange in every channel, so Fi and Fj stay far from
+  // float overflow and underflow) instead of one exponential per pair; strong decays (g = -50) fail it.
+  auto factorable = [&](int64_t i0, int64_t nb) {
+    constexpr T kFactorRange = 40;
+    const T* g0 = Gam + i0 * Kp;
+    V mx{};
+    for (int64_t i = i0 + 1; i < i0 + nb; ++i)
+      for (int64_t ch = 0; ch < Kp; ch += L) {
+        const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
+        mx = ad > mx ? ad : mx;
+      }
+    bool ok = true;
+    for (int l = 0; l < L; ++l) ok = ok && mx[l] <= kFactorRange;
+    return ok;
+  };
+
+  // Scalar decay: the gates of row i of the intra-chunk matrices into tmp, tmp[j] = e^{gamma_i - gamma_j}
+  // for j <= i, 0 above the diagonal (j < Cp).
+  V iota{};
+  for (int l = 0; l < L; ++l) iota[l] = T(l);
+  auto gate_row = [&](int64_t i) {
+    for (int64_t j = 0; j < Cp; j += L) {
+      const V jv = iota + T(j);
+      vstore(tmp + j, jv <= vsplat(T(i)) ? vsplat(Gam[i]) - vload(Gam + j) : vsplat(T(-1000)));
+    }
+    exp_inplace(tmp, Cp);
+  };
+
+  // Intra-chunk matrices Bm (strictly lower, without beta; online only) and Aq (lower with the
+  // diagonal) (SPEC §4).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
     if (!diag) {
       if (online) gemm(c, Cp, K, Kn + cs * Kp, Kp, KWT, Cp, Bm, Cp, false, Tri::c_lower);
       gemm(c, Cp, K, Qr + cs * Kp, Kp, KWT, Cp, Aq, Cp, false, Tri::c_lower);
       for (int64_t i = 0; i < c; ++i) {
-        for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
-        exp_inplace(tmp, Cp);  // e^{gamma_i - gamma_j}, 0 above the diagonal
-        for (int64_t j = 0; j < Cp; ++j) {
-          Aq[i * Cp + j] = j <= i ? tmp[j] * Aq[i * Cp + j] : T(0);
-          Bm[i * Cp + j] = (online && j < i) ? tmp[j] * Bm[i * Cp + j] : T(0);
+        gate_row(i);
+        // Selects, not products: the entries above the diagonal that c_lower skips are stale.
+        for (int64_t j = 0; j < Cp; j += L) {
+          const V jv = iota + T(j), f = vload(tmp + j);
+          vstore(Aq + i * Cp + j, jv <= vsplat(T(i)) ? f * vload(Aq + i * Cp + j) : V{});
+          if (online) vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? f * vload(Bm + i * Cp + j) : V{});
         }
       }
       return;
     }
     std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
     std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
-    for (int64_t i0 = kSub; i0 < c; i0 += kSub) {
+    for (int64_t i0 = 0; i0 < c; i0 += kSub) {
       const int64_t nb = imin(kSub, c - i0);
-      sub_block(cs, i0, nb);
-      transpose(i0, K, KWt, Kp, KWtT, Cp);
-      gemm(kSub + nb, i0, K, LQK, Kp, KWtT, Cp, Pb, Cp, false);
-      for (int64_t i = 0; i < nb; ++i)
-        for (int64_t j = 0; j < i0; ++j) {
-          Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
-          if (online) Bm[(i0 + i) * Cp + j] = Pb[(kSub + i) * Cp + j];
+      // Rows j < jn through one product; the block's own pairs too when factorable, else one by one.
+      const bool fact = factorable(i0, nb);
+      const int64_t jn = fact ? i0 + nb : i0;
+      if (jn > 0) {
+        sub_block(cs, i0, nb, jn);
+        transpose(jn, K, KWt, Kp, KWtT, Cp);
+        gemm(kSub + nb, round_up(jn, L), K, LQK, Kp, KWtT, Cp, Pb, Cp, false);  // columns >= jn unused
+        for (int64_t i = 0; i < nb; ++i)
+          for (int64_t j = 0; j < imin(jn, i0 + i + 1); ++j) {
+            Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
+            if (online && j < i0 + i) Bm[(i0 + i) * Cp + j] = Pb[(kSub + i) * Cp + j];
+          }
+      }
+      if (fact) continue;
+      for (int64_t i = i0; i < i0 + nb; ++i) {
+        const T* gi = Gam + i * Kp;
+        const T* q = Qr + (cs + i) * Kp;
+        const T* k = Kn + (cs + i) * Kp;
+        for (int64_t j = i0; j <= i; ++j) {
+          const T* gj = Gam + j * Kp;
+          const T* w = KW + (cs + j) * Kp;
+          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
+          exp_inplace(tmp, Kp);
+          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
+          const T sq = dotv(q, tmp, Kp), sk = dotv(k, tmp, Kp);
+          Aq[i * Cp + j] = sq;
+          if (online && j < i) Bm[i * Cp + j] = sk;
         }
-    }
-    for (int64_t i = 0; i < c; ++i) {
-      const T* gi = Gam + i * Kp;
-      const T* q = Qr + (cs + i) * Kp;
-      const T* k = Kn + (cs + i) * Kp;
-      for (int64_t j = i / kSub * kSub; j <= i; ++j) {
-        const T* gj = Gam + j * Kp;
-        const T* w = KW + (cs + j) * Kp;
-        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
-        exp_inplace(tmp, Kp);
-        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
-        const T sq = dotv(q, tmp, Kp), sk = dotv(k, tmp, Kp);
-        Aq[i * Cp + j] = sq;
-        if (online && j < i) Bm[i * Cp + j] = sk;
       }
     }
   };
@@ -435,7 +515,76 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       for (int64_t j = 0; j < Cp; ++j) Akk[i * Cp + j] = j < i ? Bt[i] * Bm[i * Cp + j] : T(0);
   };
 
-  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq), then the reverse sweep over chunks.
+  // 3. Reverse token pass, token t (called in decreasing t, chunk by chunk from the reverse sweep of the
+  // group's last value head, while the chunk's rows are in cache): the preconditioner statistics
+  // (SPEC §2, dA carried backwards) and the L2 norm / scale (SPEC §1).
+  if (s.diag_pre && p.daT.data) {
+    const T* daT = cptr<T>(p.daT) + si * p.daT.stride[0] + h * p.daT.stride[1];
+    for (int64_t c = 0; c < K; ++c) dA[c] = daT[c];
+  }
+  double dctr = 0;
+  auto token_grad = [&](int64_t t) {
+    const int64_t ti = t0 + t;
+    const T* qn = Qn + t * Kp;
+    const T* kn = Kn + t * Kp;
+    const T* m = Mt + t * Kp;
+    const T* gq = dQr + grad_row(t);
+    const T* gk = dKn + grad_row(t);
+    const T* gw = dKW + grad_row(t);
+    for (int64_t c = 0; c < Kp; c += L) {
+      const V mv = s.diag_pre ? vload(m + c) : V{};
+      vstore(dqn + c, s.atq ? vload(gq + c) * mv : vload(gq + c));
+      vstore(dkn + c, vload(gk + c) + (s.atk ? vload(gw + c) * mv : vload(gw + c)));
+    }
+    if (s.diag_pre) {
+      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+      const T* cur = At + t * Kp;
+      const T* prev = t ? At + (t - 1) * Kp : A0;
+      const T* slope = Dt + t * Kp;
+      // dr = dM/dr (through M's slope), dAc = dL/dA_t; the gate sums are dots of these rows.
+      T* dr = dx;
+      T* dAc = qh;
+      for (int64_t c = 0; c < Kp; c += L) {
+        const V knv = vload(kn + c);
+        const V dmA = (s.atk ? vload(gw + c) * knv : vload(gq + c) * vload(qn + c)) * vload(slope + c);
+        const V dac = vload(dA + c) + dmA;
+        vstore(dr + c, dmA * (vload(cur + c) + s.eps));
+        vstore(dAc + c, dac);
+        vstore(dkn + c, vload(dkn + c) + T(2) * bb * knv * dac);
+        vstore(dA + c, a * dac);
+      }
+      const T dc = -dotv(dr, ones, K), dgp = a * dotv(dAc, prev, K);
+      for (int64_t c = 0; c < K; ++c) dr[c] = kn[c] * kn[c];
+      const T dbp = dotv(dAc, dr, K);
+      dctr += double(dc);
+      if (p.dg_p.data) mptr<T>(p.dg_p)[b * p.dg_p.stride[0] + ti * p.dg_p.stride[1] + h * p.dg_p.stride[2]] = dgp;
+      if (p.dbeta_p.data)
+        mptr<T>(p.dbeta_p)[b * p.dbeta_p.stride[0] + ti * p.dbeta_p.stride[1] + h * p.dbeta_p.stride[2]] = dbp;
+    }
+    if (p.dq.data) {
+      // The normalised q: Qn / scale, or from the input row when scale is 0.
+      if (p.l2norm) {
+        if (s.scale != T(0)) {
+          const T inv = T(1) / s.scale;
+          for (int64_t c = 0; c < K; ++c) qh[c] = qn[c] * inv;
+        } else {
+          const T* x = s.qrow(b, ti, h);
+          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t];
+        }
+      }
+      norm_backward(qh, rq[t], K, p.l2norm, s.scale, dqn, dx);
+      std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
+                  size_t(K) * sizeof(T));
+    }
+    if (p.dk.data) {
+      norm_backward(kn, rk[t], K, p.l2norm, T(1), dkn, dx);
+      std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
+                  size_t(K) * sizeof(T));
+    }
+  };
+
+  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq), then the reverse sweep over chunks
+  // (which runs step 3 for the last value head).
   for (int64_t jh = 0; jh < r; ++jh) {
     const int64_t hv = h * r + jh;
     std::memset(S, 0, size_t(K * Vp) * sizeof(T));
@@ -492,7 +641,10 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       const T* SinTc = SinT + ci * Vd * Kp;
       const T* RTc = RT + ci * Vd * Cp;
       build(cs, c, hv, false);
-      std::memset(dOX, 0, size_t(C2 * Vp) * sizeof(T));
+      if (c < Cp) {  // rows past the chunk enter the stacked products as zeros (padding columns stay 0)
+        std::memset(dO + c * Vp, 0, size_t((Cp - c) * Vp) * sizeof(T));
+        std::memset(dX + c * Vp, 0, size_t((Cp - c) * Vp) * sizeof(T));
+      }
       auto do_row = [&](int64_t t) {
         return cptr<T>(p.d_o) + b * p.d_o.stride[0] + (t0 + t) * p.d_o.stride[1] + hv * p.d_o.stride[2];
       };
@@ -521,7 +673,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         }
       }
       // dAq = dO R^T (j <= i); dAkk = -dX R^T (j < i): dbeta_i += sum_j dAkk_ij Bm_ij, dB = beta dAkk.
-      std::memset(dAB, 0, size_t(C2 * Cp) * sizeof(T));
+      if (!online) std::memset(dB, 0, size_t(Cp * Cp) * sizeof(T));  // the diagonal-decay path reads it
       gemm(c, Cp, Vd, dO, Vp, RTc, Cp, dAq, Cp, false, Tri::c_lower);
       // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
       // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
@@ -539,17 +691,19 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         }
       }
       // Intra-chunk backward: dQi = d(Aq)/dQ, dKi = d(Bm)/dK, dKWi = d(Aq, Bm)/dKW (row layout).
-      std::memset(dQi, 0, size_t(C * Kp) * sizeof(T));
-      std::memset(dKi, 0, size_t(C * Kp) * sizeof(T));
-      std::memset(dKWi, 0, size_t(C * Kp) * sizeof(T));
+      // Scalar decay and none: the products below write every row (dKi only online); diagonal: sums.
+      if (diag || !online) std::memset(dKi, 0, size_t(C * Kp) * sizeof(T));
+      if (diag) {
+        std::memset(dQi, 0, size_t(C * Kp) * sizeof(T));
+        std::memset(dKWi, 0, size_t(C * Kp) * sizeof(T));
+      }
       if (!diag) {
         if (scal)
           for (int64_t i = 0; i < c; ++i) {
-            for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
-            exp_inplace(tmp, Cp);
-            for (int64_t j = 0; j <= i; ++j) {
-              dAq[i * Cp + j] *= tmp[j];
-              dB[i * Cp + j] *= tmp[j];
+            gate_row(i);
+            for (int64_t j = 0; j < Cp; j += L) {
+              vstore(dAq + i * Cp + j, vload(dAq + i * Cp + j) * vload(tmp + j));
+              vstore(dB + i * Cp + j, vload(dB + i * Cp + j) * vload(tmp + j));
             }
           }
         gemm(c, Kp, c, dAq, Cp, KW + cs * Kp, Kp, dQi, Kp, false, Tri::a_lower);
@@ -563,8 +717,11 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       } else {
         for (int64_t i0 = 0; i0 < c; i0 += kSub) {
           const int64_t nb = imin(kSub, c - i0);
-          // Diagonal block: per pair, exact exponent differences.
-          for (int64_t i = i0; i < i0 + nb; ++i) {
+          // The block's own pairs: through the product below when factorable (as in `intra`), else
+          // one by one with exact exponent differences.
+          const bool fact = factorable(i0, nb);
+          const int64_t jn = fact ? i0 + nb : i0;
+          for (int64_t i = i0; !fact && i < i0 + nb; ++i) {
             const T* gi = Gam + i * Kp;
             const T* q = Qr + (cs + i) * Kp;
             const T* k = Kn + (cs + i) * Kp;
@@ -585,24 +742,25 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
               }
             }
           }
-          if (i0 == 0) continue;
-          // Earlier rows: dLQ = dAq[block, :i0] KWt, dLK = dB[block, :i0] KWt; dKWt = dAq^T LQ + dB^T LK.
-          sub_block(cs, i0, nb);
+          if (jn == 0) continue;
+          // Rows j < jn (dAq and dB vanish for j >= i): dLQ = dAq[block, :jn] KWt, dLK = dB[block, :jn] KWt;
+          // dKWt = dAq^T LQ + dB^T LK.
+          sub_block(cs, i0, nb, jn);
           std::memset(dLQK, 0, size_t(S2 * Kp) * sizeof(T));
-          gemm(nb, Kp, i0, dAq + i0 * Cp, Cp, KWt, Kp, dLQK, Kp, false);
-          if (online) gemm(nb, Kp, i0, dB + i0 * Cp, Cp, KWt, Kp, dLQK + kSub * Kp, Kp, false);
+          gemm(nb, Kp, jn, dAq + i0 * Cp, Cp, KWt, Kp, dLQK, Kp, false);
+          if (online) gemm(nb, Kp, jn, dB + i0 * Cp, Cp, KWt, Kp, dLQK + kSub * Kp, Kp, false);
           for (int64_t i = 0; i < nb; ++i)
             for (int64_t ch = 0; ch < Kp; ++ch) {
               dQi[(i0 + i) * Kp + ch] += dLQK[i * Kp + ch] * Fi[i * Kp + ch];
               dKi[(i0 + i) * Kp + ch] += dLQK[(kSub + i) * Kp + ch] * Fi[i * Kp + ch];
             }
-          for (int64_t j = 0; j < i0; ++j)
+          for (int64_t j = 0; j < jn; ++j)
             for (int64_t i = 0; i < kSub; ++i) {
               dABt[j * S2 + i] = i < nb ? dAq[(i0 + i) * Cp + j] : T(0);
               dABt[j * S2 + kSub + i] = i < nb ? dB[(i0 + i) * Cp + j] : T(0);
             }
-          gemm(i0, Kp, online ? S2 : kSub, dABt, S2, LQK, Kp, dKWt, Kp, false);
-          for (int64_t j = 0; j < i0; ++j)
+          gemm(jn, Kp, online ? S2 : kSub, dABt, S2, LQK, Kp, dKWt, Kp, false);
+          for (int64_t j = 0; j < jn; ++j)
             for (int64_t ch = 0; ch < Kp; ++ch) dKWi[j * Kp + ch] += dKWt[j * Kp + ch] * Fj[j * Kp + ch];
         }
       }
@@ -631,26 +789,30 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         const T* q = Qr + t * Kp;
         const T* k = Kn + t * Kp;
         const T* w = KW + t * Kp;
-        T* gq = dQr + t * Kp;
-        T* gk = dKn + t * Kp;
-        T* gw = dKW + t * Kp;
+        T* gq = dQr + grad_row(t);
+        T* gk = dKn + grad_row(t);
+        T* gw = dKW + grad_row(t);
         T* dgm = dgam + i * Kp;
         if (online) dbet[i] -= dotv(dKdn + i * Kp, Kne + i * Kp, K);
-        const T dd = ddq[i], last = i + 1 < c ? T(1) : T(0);
-        if (jh == 0)  // the first value head of the group initialises the token gradients
-          for (int64_t ch = 0; ch < K; ++ch) gq[ch] = gk[ch] = gw[ch] = 0;
-        for (int64_t ch = 0; ch < K; ++ch) {
-          const T dqd = dQd[i * Kp + ch], dkd = online ? dKdn[i * Kp + ch] : T(0);
-          const T dwd = dKWd[i * Kp + ch], dwi = dKWi[i * Kp + ch];
-          const T e = E[i * Kp + ch];
-          gq[ch] += dQi[i * Kp + ch] + dqd * e + dd * w[ch];
-          gk[ch] += dKi[i * Kp + ch] - dkd * Bt[i] * e;
-          gw[ch] += dwi + dwd * Ed[i * Kp + ch] + dd * q[ch];
+        const T dd = ddq[i], last = i + 1 < c ? T(1) : T(0), bt = Bt[i];
+        // Whole padded rows (padding lanes of every operand are zero or finite; only [0, K) is read
+        // later); the first value head of the group initialises the token gradients.
+        for (int64_t ch = 0; ch < Kp; ch += L) {
+          const int64_t o = i * Kp + ch;
+          const V dqd = vload(dQd + o), dkd = online ? vload(dKdn + o) : V{};
+          const V dwd = vload(dKWd + o), dwi = vload(dKWi + o), dqi = vload(dQi + o), dki = vload(dKi + o);
+          const V e = vload(E + o), qv = vload(q + ch), kv = vload(k + ch), wv = vload(w + ch);
+          const V g0q = jh ? vload(gq + ch) : V{}, g0k = jh ? vload(gk + ch) : V{}, g0w = jh ? vload(gw + ch) : V{};
+          vstore(gq + ch, g0q + dqi + dqd * e + dd * wv);
+          vstore(gk + ch, g0k + dki - dkd * bt * e);
+          vstore(gw + ch, g0w + dwi + dwd * vload(Ed + o) + dd * qv);
           if (decays)
-            dgm[ch] = q[ch] * dQi[i * Kp + ch] + k[ch] * dKi[i * Kp + ch] - w[ch] * dwi + dqd * Qd[i * Kp + ch] -
-                      dkd * Kd[i * Kp + ch] - last * dwd * KWd[i * Kp + ch];
+            vstore(dgm + ch, qv * dqi + kv * dki - wv * dwi + dqd * vload(Qd + o) - dkd * vload(Kd + o) -
+                                 last * dwd * vload(KWd + o));
         }
       }
+      if (jh == r - 1)  // the token gradients of the chunk are complete
+        for (int64_t i = c - 1; i >= 0; --i) token_grad(cs + i);
       // dg_t = sum over the chunk's rows i >= t of dgamma_i (gamma is a within-chunk prefix sum).
       if (decays) {
         for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
@@ -688,68 +850,6 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   }
 
-  // 3. Reverse token pass: the preconditioner statistics (SPEC §2) and the L2 norm / scale (SPEC §1).
-  if (s.diag_pre && p.daT.data) {
-    const T* daT = cptr<T>(p.daT) + si * p.daT.stride[0] + h * p.daT.stride[1];
-    for (int64_t c = 0; c < K; ++c) dA[c] = daT[c];
-  }
-  double dctr = 0;
-  for (int64_t t = len - 1; t >= 0; --t) {
-    const int64_t ti = t0 + t;
-    const T* qn = Qn + t * Kp;
-    const T* kn = Kn + t * Kp;
-    const T* m = Mt + t * Kp;
-    const T* gq = dQr + t * Kp;
-    const T* gk = dKn + t * Kp;
-    const T* gw = dKW + t * Kp;
-    for (int64_t c = 0; c < K; ++c) {
-      dqn[c] = s.atq ? gq[c] * m[c] : gq[c];
-      dkn[c] = gk[c] + (s.atk ? gw[c] * m[c] : gw[c]);
-    }
-    if (s.diag_pre) {
-      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-      const T* cur = At + t * Kp;
-      const T* prev = t ? At + (t - 1) * Kp : A0;
-      const T* slope = Dt + t * Kp;
-      // dr = dM/dr (through M's slope), dAc = dL/dA_t; the gate sums are dots of these rows.
-      T* dr = dx;
-      T* dAc = qh;
-      for (int64_t c = 0; c < K; ++c) {
-        const T dmA = (s.atk ? gw[c] * kn[c] : gq[c] * qn[c]) * slope[c];
-        dr[c] = dmA * (cur[c] + s.eps);
-        dAc[c] = dA[c] + dmA;
-        dkn[c] += T(2) * bb * kn[c] * dAc[c];
-        dA[c] = a * dAc[c];
-      }
-      const T dc = -dotv(dr, ones, K), dgp = a * dotv(dAc, prev, K);
-      for (int64_t c = 0; c < K; ++c) dr[c] = kn[c] * kn[c];
-      const T dbp = dotv(dAc, dr, K);
-      dctr += double(dc);
-      if (p.dg_p.data) mptr<T>(p.dg_p)[b * p.dg_p.stride[0] + ti * p.dg_p.stride[1] + h * p.dg_p.stride[2]] = dgp;
-      if (p.dbeta_p.data)
-        mptr<T>(p.dbeta_p)[b * p.dbeta_p.stride[0] + ti * p.dbeta_p.stride[1] + h * p.dbeta_p.stride[2]] = dbp;
-    }
-    if (p.dq.data) {
-      // The normalised q: Qn / scale, or from the input row when scale is 0.
-      if (p.l2norm) {
-        if (s.scale != T(0)) {
-          const T inv = T(1) / s.scale;
-          for (int64_t c = 0; c < K; ++c) qh[c] = qn[c] * inv;
-        } else {
-          const T* x = s.qrow(b, ti, h);
-          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t];
-        }
-      }
-      norm_backward(qh, rq[t], K, p.l2norm, s.scale, dqn, dx);
-      std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
-                  size_t(K) * sizeof(T));
-    }
-    if (p.dk.data) {
-      norm_backward(kn, rk[t], K, p.l2norm, T(1), dkn, dx);
-      std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
-                  size_t(K) * sizeof(T));
-    }
-  }
   if (s.diag_pre && p.da0.data) {
     T* da0 = mptr<T>(p.da0) + si * p.da0.stride[0] + h * p.da0.stride[1];
     for (int64_t c = 0; c < K; ++c) da0[c] = dA[c];
