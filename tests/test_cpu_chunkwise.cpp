@@ -152,7 +152,9 @@ TEST_CASE("cpu decode kernel: every model, several steps of 1-3 tokens, slots, e
   for (const auto& [name, spec] : dgps::kNamedModels) {
     for (const char* isa : {"generic", "avx512"}) {
       IsaCap cap(isa);
-      const int64_t N = 2, Tn = 6, H = 2, HV = 4, K = 16, V = 24;
+      // V = 152: two whole column blocks of the decode sweep and a partial one (the last write of a
+      // whole block reads the next whole block).
+      const int64_t N = 2, Tn = 6, H = 2, HV = 4, K = 16, V = 152;
       const Case c = random_case(spec, {.batch = N, .time = Tn, .heads = H, .v_heads = HV, .key_dim = K,
                                         .value_dim = V}, {}, 11);
       const Arrays ref = gold(c);
