@@ -801,11 +801,16 @@ inline void read2_block(const T* S, int64_t ds, int64_t K, const T* a1, const T*
   }
 }
 
-/// Columns [e0, e0 + NB*L) of the write S[c,:] = f[c] S[c,:] + w[c] u, and, when a1 is given, the
-/// next token's reads y1 = sum_c a1[c] S_new[c,:], y2 = sum_c a2[c] S_new[c,:] in the same sweep.
-template <class T, int NB>
-inline void write_block(T* S, int64_t ds, int64_t K, const T* f, const T* w, const T* u, const T* a1, const T* a2,
-                        T* y1, T* y2) {
+/// What a decode write sweep reads besides writing: nothing, the rows it writes (the next token's
+/// reads, of the new values), or the same rows of another column block (the first token's reads of
+/// the next block: one sweep streams both blocks, about 13% faster than a write sweep then a read one).
+enum class SweepRead { none, written, other };
+
+/// Columns [S, S + NB*L) of the write S[c,:] = f[c] S[c,:] + w[c] u and, unless RD is none, the reads
+/// y1 = sum_c a1[c] X[c,:], y2 = sum_c a2[c] X[c,:] of X = the new S (written) or of R (other).
+template <class T, int NB, SweepRead RD>
+inline void write_block(T* S, const T* R, int64_t ds, int64_t K, const T* f, const T* w, const T* u, const T* a1,
+                        const T* a2, T* y1, T* y2) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   V uu[NB], r1[NB], r2[NB];
@@ -813,18 +818,7 @@ inline void write_block(T* S, int64_t ds, int64_t K, const T* f, const T* w, con
     uu[v] = vload(u + v * L);
     r1[v] = r2[v] = V{};
   }
-  if (a1) {
-    for (int64_t c = 0; c < K; ++c) {
-      T* row = S + c * ds;
-      const T fc = f[c], wc = w[c], x1 = a1[c], x2 = a2[c];
-      for (int v = 0; v < NB; ++v) {
-        const V x = fc * vload(row + v * L) + wc * uu[v];
-        vstore(row + v * L, x);
-        r1[v] += x1 * x;
-        r2[v] += x2 * x;
-      }
-    }
-  } else {
+  if constexpr (RD == SweepRead::none) {
     // Last rows first: the read sweep just left them in L1, while its first rows may have been
     // evicted (with 512-byte rows a 128-row block puts 16 lines in each cache set it uses, more
     // than L1's ways). Elementwise, so the order changes no result.
@@ -833,41 +827,22 @@ inline void write_block(T* S, int64_t ds, int64_t K, const T* f, const T* w, con
       const T fc = f[c], wc = w[c];
       for (int v = 0; v < NB; ++v) vstore(row + v * L, fc * vload(row + v * L) + wc * uu[v]);
     }
-  }
-  if (a1)
+  } else {
+    for (int64_t c = 0; c < K; ++c) {
+      T* row = S + c * ds;
+      const T fc = f[c], wc = w[c], x1 = a1[c], x2 = a2[c];
+      for (int v = 0; v < NB; ++v) {
+        const V x = fc * vload(row + v * L) + wc * uu[v];
+        vstore(row + v * L, x);
+        const V rd = RD == SweepRead::written ? x : vload(R + c * ds + v * L);
+        r1[v] += x1 * rd;
+        r2[v] += x2 * rd;
+      }
+    }
     for (int v = 0; v < NB; ++v) {
       vstore(y1 + v * L, r1[v]);
       vstore(y2 + v * L, r2[v]);
     }
-}
-
-/// The write S[c,:] = f[c] S[c,:] + w[c] u of columns [W, W + NB*L) fused with the reads
-/// y1 = sum_c a1[c] S[c,:], y2 = sum_c a2[c] S[c,:] of the next column block [R, R + NB*L): one sweep
-/// over the rows streams both blocks (about 13% faster than a write sweep then a read sweep).
-template <class T, int NB>
-inline void write_read_block(T* W, const T* R, int64_t ds, int64_t K, const T* f, const T* w, const T* u, const T* a1,
-                             const T* a2, T* y1, T* y2) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::L;
-  V uu[NB], r1[NB], r2[NB];
-  for (int v = 0; v < NB; ++v) {
-    uu[v] = vload(u + v * L);
-    r1[v] = r2[v] = V{};
-  }
-  for (int64_t c = 0; c < K; ++c) {
-    T* wrow = W + c * ds;
-    const T* rrow = R + c * ds;
-    const T fc = f[c], wc = w[c], x1 = a1[c], x2 = a2[c];
-    for (int v = 0; v < NB; ++v) {
-      const V s = vload(rrow + v * L);
-      r1[v] += x1 * s;
-      r2[v] += x2 * s;
-      vstore(wrow + v * L, fc * vload(wrow + v * L) + wc * uu[v]);
-    }
-  }
-  for (int v = 0; v < NB; ++v) {
-    vstore(y1 + v * L, r1[v]);
-    vstore(y2 + v * L, r2[v]);
   }
 }
 
@@ -900,9 +875,18 @@ void write2(T* S, int64_t ds, int64_t K, int64_t e0, int64_t e1, const T* f, con
             const T* a2, T* y1, T* y2) {
   constexpr int L = Vec<T>::L;
   int64_t e = e0;
-  for (; e + kDecodeNB * L <= e1; e += kDecodeNB * L)
-    write_block<T, kDecodeNB>(S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
-  for (; e + L <= e1; e += L) write_block<T, 1>(S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+  for (; e + kDecodeNB * L <= e1; e += kDecodeNB * L) {
+    if (a1)
+      write_block<T, kDecodeNB, SweepRead::written>(S + e, S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+    else
+      write_block<T, kDecodeNB, SweepRead::none>(S + e, S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+  }
+  for (; e + L <= e1; e += L) {
+    if (a1)
+      write_block<T, 1, SweepRead::written>(S + e, S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+    else
+      write_block<T, 1, SweepRead::none>(S + e, S + e, ds, K, f, w, u + e, a1, a2, y1 + e, y2 + e);
+  }
   for (; e < e1; ++e) {
     T s1 = 0, s2 = 0;
     for (int64_t c = 0; c < K; ++c) {
@@ -1086,8 +1070,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
         // the last token with the first token's reads of the next (whole) block.
         const T* nf = t + 1 < Tn ? headv + ((t + 1) * r + j) * per_head : nullptr;
         if (!nf && e1 - e0 == BC && e1 + BC <= Vd) {
-          write_read_block<T, kDecodeNB>(S + e0, S + e1, ds, K, fac, kw, u + e0, f0 + Kp, f0 + 2 * Kp, y1 + e1,
-                                         y2 + e1);
+          write_block<T, kDecodeNB, SweepRead::other>(S + e0, S + e1, ds, K, fac, kw, u + e0, f0 + Kp, f0 + 2 * Kp,
+                                                      y1 + e1, y2 + e1);
           read_ahead = true;
         } else {
           write2(S, ds, K, e0, e1, fac, kw, u, nf ? nf + Kp : nullptr, nf ? nf + 2 * Kp : nullptr, y1, y2);
