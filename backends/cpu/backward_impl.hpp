@@ -1,6 +1,6 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
-/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, log_v, Setup,
+/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, log_v, transpose, Setup,
 /// Scratch), into the same per-ISA anonymous namespace. One task per (sequence n, key head h):
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
 ///     read queries / write keys (as the forward kernel does);
@@ -24,102 +24,10 @@
 ///   dS_in = Diag(e^{gamma_C}) dS_out + (Q ⊙ E)^T dO - (beta K ⊙ E)^T dX; every exponential factor is
 ///   a difference of gates (sub-blocks of kSub rows for diagonal decay), so g = -50 stays finite.
 
-#include <new>
 #include <type_traits>
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
-
-/// Four-element vectors of T (and the matching integer shuffle masks) for the 4 x 4 transpose.
-template <class T>
-struct Quad {
-  typedef T type __attribute__((vector_size(4 * sizeof(T)), aligned(sizeof(T)), may_alias));
-  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> I;
-  typedef I mask __attribute__((vector_size(4 * sizeof(T))));
-};
-
-/// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 4 x 4 register blocks (eight shuffles
-/// each) inside 16 x 16 tiles, scalar edges.
-template <class T>
-void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
-  using Q = typename Quad<T>::type;
-  using M = typename Quad<T>::mask;
-  constexpr int64_t B = 16;
-  const int64_t r4 = rows / 4 * 4, c4 = cols / 4 * 4;
-  for (int64_t i0 = 0; i0 < r4; i0 += B) {
-    const int64_t i1 = imin(r4, i0 + B);
-    for (int64_t j0 = 0; j0 < c4; j0 += B) {
-      const int64_t j1 = imin(c4, j0 + B);
-      for (int64_t i = i0; i < i1; i += 4)
-        for (int64_t j = j0; j < j1; j += 4) {
-          const Q a = *reinterpret_cast<const Q*>(src + i * lds + j);
-          const Q b = *reinterpret_cast<const Q*>(src + (i + 1) * lds + j);
-          const Q c = *reinterpret_cast<const Q*>(src + (i + 2) * lds + j);
-          const Q d = *reinterpret_cast<const Q*>(src + (i + 3) * lds + j);
-          const Q t0 = __builtin_shuffle(a, b, M{0, 4, 1, 5}), t1 = __builtin_shuffle(a, b, M{2, 6, 3, 7});
-          const Q t2 = __builtin_shuffle(c, d, M{0, 4, 1, 5}), t3 = __builtin_shuffle(c, d, M{2, 6, 3, 7});
-          *reinterpret_cast<Q*>(dst + j * ldd + i) = __builtin_shuffle(t0, t2, M{0, 1, 4, 5});
-          *reinterpret_cast<Q*>(dst + (j + 1) * ldd + i) = __builtin_shuffle(t0, t2, M{2, 3, 6, 7});
-          *reinterpret_cast<Q*>(dst + (j + 2) * ldd + i) = __builtin_shuffle(t1, t3, M{0, 1, 4, 5});
-          *reinterpret_cast<Q*>(dst + (j + 3) * ldd + i) = __builtin_shuffle(t1, t3, M{2, 3, 6, 7});
-        }
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = i < r4 ? c4 : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
-}
-
-/// Scratch memory of one backward task: 64-byte aligned, left uninitialised (every element used is
-/// written first). Up to kKeepBytes it is a block kept by the calling thread across tasks and calls
-/// (grown on demand, freed at thread exit): a fresh multi-megabyte block per task paid a page fault
-/// per 4 KB on first touch. A larger request (a long sequence) gets a block of its own, freed with
-/// the lease, so that no thread keeps more than kKeepBytes alive. One lease at a time per thread
-/// (the backward tasks run no nested parallel work).
-template <class T>
-class ScratchLease {
- public:
-  static constexpr size_t kKeepBytes = size_t(64) << 20;
-  explicit ScratchLease(int64_t n) {
-    const size_t bytes = size_t(round_up(n * int64_t(sizeof(T)), 64));
-    if (bytes > kKeepBytes) {
-      own_ = allocate(bytes);
-      ptr_ = own_;
-      return;
-    }
-    Block& blk = kept();
-    if (bytes > blk.bytes) {
-      std::free(blk.ptr);
-      blk.ptr = nullptr;
-      blk.bytes = 0;
-      blk.ptr = allocate(bytes);
-      blk.bytes = bytes;
-    }
-    ptr_ = blk.ptr;
-  }
-  ~ScratchLease() { std::free(own_); }
-  ScratchLease(const ScratchLease&) = delete;
-  ScratchLease& operator=(const ScratchLease&) = delete;
-  /// The block.
-  T* get() const { return static_cast<T*>(ptr_); }
-
- private:
-  struct Block {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    ~Block() { std::free(ptr); }
-  };
-  static Block& kept() {
-    thread_local Block blk;
-    return blk;
-  }
-  static void* allocate(size_t bytes) {
-    void* p = std::aligned_alloc(64, bytes);
-    if (!p) throw std::bad_alloc();
-    return p;
-  }
-  void* ptr_ = nullptr;
-  void* own_ = nullptr;
-};
 
 /// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
 /// Same layout rules as `gemm` (n a multiple of the vector length).
@@ -421,50 +329,12 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   };
 
-  // Diagonal decay: whether the pairs inside block [i0, i0 + nb) may use the factored gates of
-  // sub_block (|gamma_i - gamma_i0| <= kFactorRange in every channel, so Fi and Fj stay far from
-  // float overflow and underflow) instead of one exponential per pair; strong decays (g = -50) fail it.
-  auto factorable = [&](int64_t i0, int64_t nb) {
-    constexpr T kFactorRange = 40;
-    const T* g0 = Gam + i0 * Kp;
-    V mx{};
-    for (int64_t i = i0 + 1; i < i0 + nb; ++i)
-      for (int64_t ch = 0; ch < Kp; ch += L) {
-        const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
-        mx = ad > mx ? ad : mx;
-      }
-    bool ok = true;
-    for (int l = 0; l < L; ++l) ok = ok && mx[l] <= kFactorRange;
-    return ok;
-  };
-
-  // Scalar decay: the gates of row i of the intra-chunk matrices into tmp, tmp[j] = e^{gamma_i - gamma_j}
-  // for j <= i, 0 above the diagonal (j < Cp).
-  V iota{};
-  for (int l = 0; l < L; ++l) iota[l] = T(l);
-  auto gate_row = [&](int64_t i) {
-    for (int64_t j = 0; j < Cp; j += L) {
-      const V jv = iota + T(j);
-      vstore(tmp + j, jv <= vsplat(T(i)) ? vsplat(Gam[i]) - vload(Gam + j) : vsplat(T(-1000)));
-    }
-    exp_inplace(tmp, Cp);
-  };
-
   // Intra-chunk matrices Bm (strictly lower, without beta; online only) and Aq (lower with the
   // diagonal) (SPEC §4).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
     if (!diag) {
-      if (online) gemm(c, Cp, K, Kn + cs * Kp, Kp, KWT, Cp, Bm, Cp, false, Tri::c_lower);
-      gemm(c, Cp, K, Qr + cs * Kp, Kp, KWT, Cp, Aq, Cp, false, Tri::c_lower);
-      for (int64_t i = 0; i < c; ++i) {
-        gate_row(i);
-        // Selects, not products: the entries above the diagonal that c_lower skips are stale.
-        for (int64_t j = 0; j < Cp; j += L) {
-          const V jv = iota + T(j), f = vload(tmp + j);
-          vstore(Aq + i * Cp + j, jv <= vsplat(T(i)) ? f * vload(Aq + i * Cp + j) : V{});
-          if (online) vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? f * vload(Bm + i * Cp + j) : V{});
-        }
-      }
+      intra_scalar(c, Cp, K, Kn + cs * Kp, Qr + cs * Kp, Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
+                   Aq, tmp);
       return;
     }
     std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
@@ -472,7 +342,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     for (int64_t i0 = 0; i0 < c; i0 += kSub) {
       const int64_t nb = imin(kSub, c - i0);
       // Rows j < jn through one product; the block's own pairs too when factorable, else one by one.
-      const bool fact = factorable(i0, nb);
+      const bool fact = factorable(Gam, Kp, i0, nb);
       const int64_t jn = fact ? i0 + nb : i0;
       if (jn > 0) {
         sub_block(cs, i0, nb, jn);
@@ -700,7 +570,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       if (!diag) {
         if (scal)
           for (int64_t i = 0; i < c; ++i) {
-            gate_row(i);
+            gate_row(Gam, i, Cp, tmp);
             for (int64_t j = 0; j < Cp; j += L) {
               vstore(dAq + i * Cp + j, vload(dAq + i * Cp + j) * vload(tmp + j));
               vstore(dB + i * Cp + j, vload(dB + i * Cp + j) * vload(tmp + j));
@@ -719,7 +589,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
           const int64_t nb = imin(kSub, c - i0);
           // The block's own pairs: through the product below when factorable (as in `intra`), else
           // one by one with exact exponent differences.
-          const bool fact = factorable(i0, nb);
+          const bool fact = factorable(Gam, Kp, i0, nb);
           const int64_t jn = fact ? i0 + nb : i0;
           for (int64_t i = i0; !fact && i < i0 + nb; ++i) {
             const T* gi = Gam + i * Kp;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <type_traits>
 
 #include "isa.hpp"
@@ -249,6 +250,97 @@ struct SmallScratch {
   SmallScratch& operator=(const SmallScratch&) = delete;
 };
 
+/// Four-element vectors of T (and the matching integer shuffle masks) for the 4 x 4 transpose.
+template <class T>
+struct Quad {
+  typedef T type __attribute__((vector_size(4 * sizeof(T)), aligned(sizeof(T)), may_alias));
+  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> I;
+  typedef I mask __attribute__((vector_size(4 * sizeof(T))));
+};
+
+/// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 4 x 4 register blocks (eight shuffles
+/// each) inside 16 x 16 tiles, scalar edges.
+template <class T>
+void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
+  using Q = typename Quad<T>::type;
+  using M = typename Quad<T>::mask;
+  constexpr int64_t B = 16;
+  const int64_t r4 = rows / 4 * 4, c4 = cols / 4 * 4;
+  for (int64_t i0 = 0; i0 < r4; i0 += B) {
+    const int64_t i1 = imin(r4, i0 + B);
+    for (int64_t j0 = 0; j0 < c4; j0 += B) {
+      const int64_t j1 = imin(c4, j0 + B);
+      for (int64_t i = i0; i < i1; i += 4)
+        for (int64_t j = j0; j < j1; j += 4) {
+          const Q a = *reinterpret_cast<const Q*>(src + i * lds + j);
+          const Q b = *reinterpret_cast<const Q*>(src + (i + 1) * lds + j);
+          const Q c = *reinterpret_cast<const Q*>(src + (i + 2) * lds + j);
+          const Q d = *reinterpret_cast<const Q*>(src + (i + 3) * lds + j);
+          const Q t0 = __builtin_shuffle(a, b, M{0, 4, 1, 5}), t1 = __builtin_shuffle(a, b, M{2, 6, 3, 7});
+          const Q t2 = __builtin_shuffle(c, d, M{0, 4, 1, 5}), t3 = __builtin_shuffle(c, d, M{2, 6, 3, 7});
+          *reinterpret_cast<Q*>(dst + j * ldd + i) = __builtin_shuffle(t0, t2, M{0, 1, 4, 5});
+          *reinterpret_cast<Q*>(dst + (j + 1) * ldd + i) = __builtin_shuffle(t0, t2, M{2, 3, 6, 7});
+          *reinterpret_cast<Q*>(dst + (j + 2) * ldd + i) = __builtin_shuffle(t1, t3, M{0, 1, 4, 5});
+          *reinterpret_cast<Q*>(dst + (j + 3) * ldd + i) = __builtin_shuffle(t1, t3, M{2, 3, 6, 7});
+        }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < r4 ? c4 : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+/// Scratch memory of one chunkwise task (forward or backward): 64-byte aligned, left uninitialised
+/// (the user writes every element it reads first, or zeroes the block). Up to kKeepBytes it is a
+/// block kept by the calling thread across tasks and calls (grown on demand, freed at thread exit): a
+/// fresh multi-megabyte block per task paid a page fault per 4 KB on first touch. A larger request (a
+/// long sequence) gets a block of its own, freed with the lease, so that no thread keeps more than
+/// kKeepBytes alive. One lease at a time per thread (the chunkwise tasks run no nested parallel work).
+template <class T>
+class ScratchLease {
+ public:
+  static constexpr size_t kKeepBytes = size_t(64) << 20;
+  explicit ScratchLease(int64_t n) {
+    const size_t bytes = size_t(round_up(n * int64_t(sizeof(T)), 64));
+    if (bytes > kKeepBytes) {
+      own_ = allocate(bytes);
+      ptr_ = own_;
+      return;
+    }
+    Block& blk = kept();
+    if (bytes > blk.bytes) {
+      std::free(blk.ptr);
+      blk.ptr = nullptr;
+      blk.bytes = 0;
+      blk.ptr = allocate(bytes);
+      blk.bytes = bytes;
+    }
+    ptr_ = blk.ptr;
+  }
+  ~ScratchLease() { std::free(own_); }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  /// The block.
+  T* get() const { return static_cast<T*>(ptr_); }
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    ~Block() { std::free(ptr); }
+  };
+  static Block& kept() {
+    thread_local Block blk;
+    return blk;
+  }
+  static void* allocate(size_t bytes) {
+    void* p = std::aligned_alloc(64, bytes);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void* ptr_ = nullptr;
+  void* own_ = nullptr;
+};
+
 // ---------------------------------------------------------------------------------------------
 // bf16 / f16 inputs and outputs (DType::bf16, DType::f16): converted to float at load and rounded
 // (to nearest even) at store; states and computation stay float. Own copies of the conversions
@@ -468,6 +560,74 @@ void unit_solve(int64_t m, int64_t n, const T* A, int64_t lda, T* R, int64_t ldr
   }
 }
 
+/// Lanes 0, 1, ..., L - 1 (column offsets for the triangular masks of the intra-chunk matrices).
+template <class T>
+inline typename Vec<T>::type iota_v() {
+  typename Vec<T>::type x{};
+  for (int l = 0; l < Vec<T>::L; ++l) x[l] = T(l);
+  return x;
+}
+
+/// Scalar decay (or none: gates all 0): row i of the intra-chunk gates into out, out[j] =
+/// e^{gamma_i - gamma_j} for j <= i and 0 for i < j < Cp (a difference inside each exponent, SPEC §4).
+/// Gam holds at least Cp values (those past the chunk are masked).
+template <class T>
+void gate_row(const T* Gam, int64_t i, int64_t Cp, T* out) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  const V iota = iota_v<T>();
+  for (int64_t j = 0; j < Cp; j += L) {
+    const V jv = iota + T(j);
+    vstore(out + j, jv <= vsplat(T(i)) ? vsplat(Gam[i]) - vload(Gam + j) : vsplat(T(-1000)));
+  }
+  exp_inplace(out, Cp);
+}
+
+/// Intra-chunk matrices of scalar decay or none (SPEC §4), rows i < c of Cp columns: Aq[i,j] =
+/// e^{gamma_i - gamma_j} (Qr_i . KW_j) for j <= i and, online, Bm[i,j] = w_i e^{gamma_i - gamma_j}
+/// (Kn_i . KW_j) for j < i, with w = beta (w = 1 when beta is null); zero elsewhere. Kn and Qr have rows
+/// of ldk, KWT is KW^T (K x Cp, columns >= c zero); tmp holds Cp values.
+template <class T>
+void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, int64_t ldk, const T* KWT, const T* Gam,
+                  const T* beta, bool online, T* Bm, T* Aq, T* tmp) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  if (online) gemm(c, Cp, K, Kn, ldk, KWT, Cp, Bm, Cp, false, Tri::c_lower);
+  gemm(c, Cp, K, Qr, ldk, KWT, Cp, Aq, Cp, false, Tri::c_lower);
+  const V iota = iota_v<T>();
+  for (int64_t i = 0; i < c; ++i) {
+    gate_row(Gam, i, Cp, tmp);
+    const T w = beta ? beta[i] : T(1);
+    // Selects, not products: the entries above the diagonal that c_lower skips are stale.
+    for (int64_t j = 0; j < Cp; j += L) {
+      const V jv = iota + T(j), f = vload(tmp + j);
+      vstore(Aq + i * Cp + j, jv <= vsplat(T(i)) ? f * vload(Aq + i * Cp + j) : V{});
+      if (online) vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? (w * f) * vload(Bm + i * Cp + j) : V{});
+    }
+  }
+}
+
+/// Diagonal decay: whether the pairs inside the sub-block of rows [i0, i0 + nb) (Gam rows of Kp) may use
+/// the factored gates e^{gamma_i - gamma_i0} e^{gamma_i0 - gamma_j} instead of one exponential per pair:
+/// |gamma_i - gamma_i0| <= 40 in every channel, so both factors stay far from float overflow and
+/// underflow; strong decays (g = -50) fail it.
+template <class T>
+bool factorable(const T* Gam, int64_t Kp, int64_t i0, int64_t nb) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  constexpr T kFactorRange = 40;
+  const T* g0 = Gam + i0 * Kp;
+  V mx{};
+  for (int64_t i = i0 + 1; i < i0 + nb; ++i)
+    for (int64_t ch = 0; ch < Kp; ch += L) {
+      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
+      mx = ad > mx ? ad : mx;
+    }
+  bool ok = true;
+  for (int l = 0; l < L; ++l) ok = ok && mx[l] <= kFactorRange;
+  return ok;
+}
+
 /// The per-call constants shared by the kernels. `In` is the storage type of the inputs and of `o`
 /// (T, or Bf16Bits / F16Bits with T = float); states are T. The row accessors return `In` pointers
 /// (convert with load_cvt / to_c), the scalar accessors convert to T.
@@ -524,6 +684,10 @@ struct Setup {
 /// Sub-block rows of the diagonal-decay intra-chunk matrices (a multiple of every vector length).
 constexpr int64_t kSub = 16;
 
+/// Chunkwise forward of task `task` (SPEC §4): value head hv of sequence n, columns block vb of vsplit.
+/// Per chunk, rows i < c: R = (I + Akk)^{-1} (Diag(beta) V - Kd S_in) (offline: Diag(beta) V), O = Qd S_in +
+/// Aqk R, S_out = Diag(e^{gamma_C}) S_in + KWdT R, with Kd = beta ⊙ e^gamma ⊙ K, Qd = e^gamma ⊙ Qr and
+/// KWdT = (KW ⊙ e^{gamma_C - gamma})^T.
 template <class T, class In = T>
 void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   const Setup<T, In> s(p);
@@ -540,31 +704,33 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   // A sequence shorter than the chunk is one chunk of its own length (smaller scratch).
   const int64_t C = imin(p.chunk < 1 ? 1 : p.chunk, len < 1 ? 1 : len);
   const int64_t Cp = round_up(C, L);
+  const bool diag = s.decay == decay::Kind::diagonal;
 
-  // Scratch layout (all zero-initialised; padding columns stay zero).
-  const int64_t nS = K * Vp, nA = Kp, nKQ = 2 * C * Kp, nM = C * Kp, nKW = C * Kp, nV = C * Vp, nGam = C * Kp,
-                nBeta = Cp, nAQ = 2 * C * Kp, nKWT = Kp * Cp, nG = 2 * C * Vp, nR = C * Vp, nP = 2 * C * Cp,
-                nAkk = C * Cp, nAqk = C * Cp, nTmp = Kp + Cp, nLQ = 2 * kSub * Kp;
-  Scratch<T> mem(nS + nA + nKQ + nM + nKW + nV + nGam + nBeta + nAQ + 2 * nKWT + nG + nR + nP + nAkk + nAqk + nTmp +
-                 nLQ);
-  T* S = mem.base;
+  // Scratch: the thread's reused block, zeroed once per task (padding lanes and columns stay zero).
+  // Stg stages rows for a transpose: the squash M (step 2), then KW ⊙ e^{gamma_C - gamma} (step 3),
+  // then the sub-block keys of diagonal decay (step 6). RO is [R; O]: the pseudo-values, then the outputs.
+  const int64_t nS = K * Vp, nA = Kp, nKQ = 2 * C * Kp, nStg = C * Kp, nKW = C * Kp, nGam = C * Kp, nBeta = Cp,
+                nAQ = 2 * C * Kp, nKWT = Kp * Cp, nRO = 2 * C * Vp, nP = 2 * C * Cp, nTmp = 2 * (Kp + Cp),
+                nLQ = diag ? 2 * kSub * Kp : 0, nPb = diag ? 2 * kSub * Cp : 0;
+  const int64_t total =
+      nS + nA + nKQ + nStg + nKW + nGam + nBeta + nAQ + 2 * nKWT + nRO + nP + nTmp + nLQ + nPb;
+  const ScratchLease<T> mem(total);
+  std::memset(static_cast<void*>(mem.get()), 0, size_t(total) * sizeof(T));
+  T* S = mem.get();
   T* A = S + nS;
   T* KQ = A + nA;
-  T* Mb = KQ + nKQ;
-  T* KWb = Mb + nM;
-  T* Vb = KWb + nKW;
-  T* Gam = Vb + nV;
+  T* Stg = KQ + nKQ;
+  T* KWb = Stg + nStg;
+  T* Gam = KWb + nKW;
   T* Bt = Gam + nGam;
   T* AQ = Bt + nBeta;
   T* KWT = AQ + nAQ;
   T* KWdT = KWT + nKWT;
-  T* G = KWdT + nKWT;
-  T* R = G + nG;
-  T* P = R + nR;
-  T* Akk = P + nP;
-  T* Aqk = Akk + nAkk;
-  T* tmp = Aqk + nAqk;
+  T* RO = KWdT + nKWT;
+  T* P = RO + nRO;
+  T* tmp = P + nP;
   T* LQ = tmp + nTmp;
+  T* Pb = LQ + nLQ;
 
   if (p.h0.data) {
     const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
@@ -575,13 +741,15 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
     const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
     for (int64_t c = 0; c < K; ++c) A[c] = a0[c];
   }
-  const bool diag = s.decay == decay::Kind::diagonal;
+  const V iota = iota_v<T>();
 
   for (int64_t cs = 0; cs < len; cs += C) {
     const int64_t c = imin(C, len - cs);
     T* Kn = KQ;           // read keys, rows [0, c)
     T* Qr = KQ + c * Kp;  // read queries, rows [c, 2c)
-    // 1. Load and normalise (SPEC §1), values, gains, chunk-local cumulative gates gamma (SPEC §4).
+    T* R = RO;            // rows [0, c)
+    T* O = RO + c * Vp;   // rows [c, 2c)
+    // 1. Load and normalise (SPEC §1); R_i = beta_i V_i; chunk-local cumulative gates gamma (SPEC §4).
     for (int64_t i = 0; i < c; ++i) {
       const int64_t t = t0 + cs + i;
       // Prefetch row i of the next chunk (spread over this loop so the requests never pile up):
@@ -594,174 +762,184 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       }
       load_row(s.qrow(b, t, h), K, p.l2norm, s.scale, Qr + i * Kp);
       load_row(s.krow(b, t, h), K, p.l2norm, T(1), Kn + i * Kp);
-      load_cvt(s.vrow(b, t, hv) + v0, Vd, Vb + i * Vp);
-      Bt[i] = s.beta(b, t, hv);
+      const T bi = s.beta(b, t, hv);
+      Bt[i] = bi;
+      T* ri = R + i * Vp;
+      load_cvt(s.vrow(b, t, hv) + v0, Vd, ri);
+      for (int64_t e = 0; e < Vp; e += L) vstore(ri + e, bi * vload(ri + e));
       if (s.decay == decay::Kind::scalar) {
         Gam[i] = to_c<T>(s.grow(b, t, hv)[0]) + (i ? Gam[i - 1] : T(0));
       } else if (diag) {
         const In* g = s.grow(b, t, hv);
-        for (int64_t ch = 0; ch < K; ++ch) Gam[i * Kp + ch] = to_c<T>(g[ch]) + (i ? Gam[(i - 1) * Kp + ch] : T(0));
+        T* gi = Gam + i * Kp;
+        load_cvt(g, K, gi);
+        if (i)
+          for (int64_t ch = 0; ch < Kp; ch += L) vstore(gi + ch, vload(gi + ch) + vload(gi - Kp + ch));
       }
     }
     if (!diag && s.decay != decay::Kind::scalar)
       for (int64_t i = 0; i < c; ++i) Gam[i] = 0;
-    // 2. Diagonal preconditioner (SPEC §2): A_t = exp(g_p) A + beta_p k⊙k, M = squash(A_t).
+    // 2. Diagonal preconditioner (SPEC §2): A_t = exp(g_p) A + beta_p k⊙k, M = squash(A_t) (padding
+    //    lanes of A stay 0).
     const T* KW = Kn;
     if (s.diag_pre) {
       for (int64_t i = 0; i < c; ++i) {
         const int64_t t = t0 + cs + i;
         const T a = std::exp(s.gp(b, t, h)), bb = s.bp(b, t, h);
         const T* kn = Kn + i * Kp;
-        T* m = Mb + i * Kp;
-        for (int64_t ch = 0; ch < K; ++ch) {
-          A[ch] = a * A[ch] + bb * kn[ch] * kn[ch];
-          m[ch] = A[ch];
+        T* m = Stg + i * Kp;
+        for (int64_t ch = 0; ch < Kp; ch += L) {
+          const V k = vload(kn + ch), x = a * vload(A + ch) + bb * k * k;
+          vstore(A + ch, x);
+          vstore(m + ch, x);
         }
       }
-      squash_inplace(Mb, c * Kp, ctr, s.log_x, s.eps);
-      if (s.atk) {
-        for (int64_t i = 0; i < c * Kp; ++i) KWb[i] = Kn[i] * Mb[i];
-        KW = KWb;
-      } else {
-        for (int64_t i = 0; i < c * Kp; ++i) Qr[i] *= Mb[i];
-      }
+      squash_inplace(Stg, c * Kp, ctr, s.log_x, s.eps);
+      T* dst = s.atk ? KWb : Qr;
+      const T* src = s.atk ? Kn : Qr;
+      for (int64_t i = 0; i < c * Kp; i += L) vstore(dst + i, vload(src + i) * vload(Stg + i));
+      if (s.atk) KW = KWb;
     }
-    // 3. Decayed operands: Kd_i = beta_i e^{gamma_i} ⊙ Kn_i, Qd_i = e^{gamma_i} ⊙ Qr_i,
-    //    KWdT = (KW ⊙ e^{gamma_C - gamma})^T, KWT = KW^T. Every exponent is <= 0 for g <= 0.
+    // 3. Decayed operands: Kd_i = -beta_i e^{gamma_i} ⊙ Kn_i (negated: step 4 subtracts by adding),
+    //    Qd_i = e^{gamma_i} ⊙ Qr_i, KWdT = (KW ⊙ e^{gamma_C - gamma})^T and (scalar decay or none) KWT =
+    //    KW^T. Every exponent is <= 0 for g <= 0.
     T* Kd = AQ;
     T* Qd = AQ + c * Kp;
     const T* gl = diag ? Gam + (c - 1) * Kp : nullptr;
     if (diag) {
       for (int64_t i = 0; i < c; ++i) {
-        std::memcpy(tmp, Gam + i * Kp, size_t(Kp) * sizeof(T));
-        exp_inplace(tmp, Kp);
-        for (int64_t ch = 0; ch < Kp; ++ch) {
-          Kd[i * Kp + ch] = Bt[i] * tmp[ch] * Kn[i * Kp + ch];
-          Qd[i * Kp + ch] = tmp[ch] * Qr[i * Kp + ch];
+        T* e = tmp;       // e^{gamma_i}
+        T* ed = tmp + Kp;  // e^{gamma_C - gamma_i}
+        for (int64_t ch = 0; ch < Kp; ch += L) {
+          vstore(e + ch, vload(Gam + i * Kp + ch));
+          vstore(ed + ch, vload(gl + ch) - vload(Gam + i * Kp + ch));
         }
-        for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gl[ch] - Gam[i * Kp + ch];
-        exp_inplace(tmp, Kp);
-        for (int64_t ch = 0; ch < K; ++ch) KWdT[ch * Cp + i] = KW[i * Kp + ch] * tmp[ch];
+        exp_inplace(tmp, 2 * Kp);
+        const V negb = vsplat(-Bt[i]);
+        for (int64_t ch = 0; ch < Kp; ch += L) {
+          const V ev = vload(e + ch);
+          vstore(Kd + i * Kp + ch, negb * ev * vload(Kn + i * Kp + ch));
+          vstore(Qd + i * Kp + ch, ev * vload(Qr + i * Kp + ch));
+          vstore(Stg + i * Kp + ch, vload(KW + i * Kp + ch) * vload(ed + ch));
+        }
       }
+      transpose(c, K, Stg, Kp, KWdT, Cp);
     } else {
-      for (int64_t i = 0; i < Cp; ++i) tmp[i] = i < c ? Gam[i] : T(0);
-      exp_inplace(tmp, Cp);  // e^{gamma_i}
-      for (int64_t i = 0; i < c; ++i)
-        for (int64_t ch = 0; ch < Kp; ++ch) {
-          Kd[i * Kp + ch] = Bt[i] * tmp[i] * Kn[i * Kp + ch];
-          Qd[i * Kp + ch] = tmp[i] * Qr[i * Kp + ch];
-        }
-      for (int64_t i = 0; i < Cp; ++i) tmp[i] = i < c ? Gam[c - 1] - Gam[i] : T(0);
-      exp_inplace(tmp, Cp);  // e^{gamma_C - gamma_j}
-      for (int64_t ch = 0; ch < K; ++ch)
-        for (int64_t j = 0; j < c; ++j) {
-          KWT[ch * Cp + j] = KW[j * Kp + ch];
-          KWdT[ch * Cp + j] = KW[j * Kp + ch] * tmp[j];
-        }
-    }
-    for (int64_t ch = 0; ch < K; ++ch)
-      for (int64_t j = c; j < Cp; ++j) KWT[ch * Cp + j] = KWdT[ch * Cp + j] = 0;
-    // 4. Inter-chunk products with S_in: G = [Kd; Qd] S_in (online), Qd S_in (offline).
-    if (s.online)
-      gemm(2 * c, Vp, K, Kd, Kp, S, Vp, G, Vp, false);
-    else
-      gemm(c, Vp, K, Qd, Kp, S, Vp, G + c * Vp, Vp, false);
-    // 5. R <- beta ⊙ V - Kd S_in (online) or beta ⊙ V (offline): the right-hand side of (I + Akk) R = X.
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t e = 0; e < Vp; ++e)
-        R[i * Vp + e] = Bt[i] * Vb[i * Vp + e] - (s.online ? G[i * Vp + e] : T(0));
-    // 6. Intra-chunk matrices: Akk[i,j] = beta_i sum_c Kn_ic KW_jc e^{gamma_ic - gamma_jc} (j < i),
-    //    Aqk[i,j] = sum_c Qr_ic KW_jc e^{gamma_ic - gamma_jc} (j <= i); differences inside exp (SPEC §4).
-    if (diag) {
-      // Sub-blocks of kSub rows. Diagonal blocks: exact per-pair exponent differences. Block I
-      // against all earlier rows j < i0 (i0 = I's first row): e^{gamma_i - gamma_j} =
-      // e^{gamma_i - gamma_i0} e^{gamma_i0 - gamma_j}, both factors <= 1 (no overflow for any
-      // g <= 0), so the off-diagonal part is one product [Kl; Ql] (KW ⊙ e^{gamma_i0 - gamma})^T.
-      for (int64_t i0 = kSub; i0 < c; i0 += kSub) {
-        const int64_t nb = imin(kSub, c - i0);
-        const T* g0 = Gam + i0 * Kp;
-        for (int64_t i = 0; i < nb; ++i) {
-          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = Gam[(i0 + i) * Kp + ch] - g0[ch];
-          exp_inplace(tmp, Kp);
-          for (int64_t ch = 0; ch < Kp; ++ch) {
-            LQ[i * Kp + ch] = Kn[(i0 + i) * Kp + ch] * tmp[ch];
-            LQ[(nb + i) * Kp + ch] = Qr[(i0 + i) * Kp + ch] * tmp[ch];
-          }
-        }
-        for (int64_t j = 0; j < i0; ++j) {
-          for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = g0[ch] - Gam[j * Kp + ch];
-          exp_inplace(tmp, Kp);
-          for (int64_t ch = 0; ch < K; ++ch) KWT[ch * Cp + j] = KW[j * Kp + ch] * tmp[ch];
-        }
-        gemm(2 * nb, i0, K, LQ, Kp, KWT, Cp, P, Cp, false);
-        for (int64_t i = 0; i < nb; ++i)
-          for (int64_t j = 0; j < i0; ++j) {
-            Akk[(i0 + i) * Cp + j] = Bt[i0 + i] * P[i * Cp + j];
-            Aqk[(i0 + i) * Cp + j] = P[(nb + i) * Cp + j];
-          }
+      T* e = tmp;        // e^{gamma_i}, i < Cp
+      T* ed = tmp + Cp;  // e^{gamma_C - gamma_j}, j < Cp
+      for (int64_t i = 0; i < Cp; ++i) {
+        e[i] = i < c ? Gam[i] : T(0);
+        ed[i] = i < c ? Gam[c - 1] - Gam[i] : T(0);
       }
+      exp_inplace(tmp, 2 * Cp);
       for (int64_t i = 0; i < c; ++i) {
-        T* ak = Akk + i * Cp;
-        T* aq = Aqk + i * Cp;
-        const T* gi = Gam + i * Kp;
-        for (int64_t j = i / kSub * kSub; j <= i; ++j) {
-          const T* gj = Gam + j * Kp;
-          const T* kw = KW + j * Kp;
-          T sk = 0, sq = 0;
-          if constexpr (sizeof(T) == 4) {
+        const V fk = vsplat(-Bt[i] * e[i]), fq = vsplat(e[i]);
+        for (int64_t ch = 0; ch < Kp; ch += L) {
+          vstore(Kd + i * Kp + ch, fk * vload(Kn + i * Kp + ch));
+          vstore(Qd + i * Kp + ch, fq * vload(Qr + i * Kp + ch));
+        }
+      }
+      transpose(c, K, KW, Kp, KWT, Cp);
+      if (c < Cp)
+        for (int64_t ch = 0; ch < K; ++ch)
+          for (int64_t j = c; j < Cp; ++j) KWT[ch * Cp + j] = 0;
+      for (int64_t ch = 0; ch < K; ++ch)
+        for (int64_t j = 0; j < Cp; j += L) vstore(KWdT + ch * Cp + j, vload(KWT + ch * Cp + j) * vload(ed + j));
+    }
+    if (diag && c < Cp)
+      for (int64_t ch = 0; ch < K; ++ch)
+        for (int64_t j = c; j < Cp; ++j) KWdT[ch * Cp + j] = 0;
+    // 4. Inter-chunk products with S_in: R += Kd S_in (online: R = beta ⊙ V - beta e^gamma K S_in, the
+    //    right-hand side of (I + Akk) R = X), O = Qd S_in.
+    if (s.online) gemm(c, Vp, K, Kd, Kp, S, Vp, R, Vp, true);
+    gemm(c, Vp, K, Qd, Kp, S, Vp, O, Vp, false);
+    // 5. Intra-chunk matrices: Akk[i,j] = beta_i sum_c Kn_ic KW_jc e^{gamma_ic - gamma_jc} (j < i),
+    //    Aqk[i,j] = sum_c Qr_ic KW_jc e^{gamma_ic - gamma_jc} (j <= i); differences inside exp (SPEC §4).
+    T* Akk = P;
+    T* Aqk = P + c * Cp;
+    if (diag) {
+      // Sub-blocks of kSub rows, each block I (first row i0) against the rows j < jn through one
+      // product: e^{gamma_i - gamma_j} = e^{gamma_i - gamma_i0} e^{gamma_i0 - gamma_j}, both factors <= 1
+      // for j < i0 and g <= 0 (no overflow for any g <= 0), so it is [Kl; Ql] (KW ⊙ e^{gamma_i0 - gamma})^T.
+      // jn = i0 takes the earlier rows only; jn = i0 + nb also the block's own pairs when `factorable`,
+      // else those get exact per-pair exponent differences.
+      for (int64_t i0 = 0; i0 < c; i0 += kSub) {
+        const int64_t nb = imin(kSub, c - i0);
+        const bool fact = factorable(Gam, Kp, i0, nb);
+        const int64_t jn = fact ? i0 + nb : i0;
+        const T* g0 = Gam + i0 * Kp;
+        if (jn > 0) {
+          for (int64_t i = 0; i < nb; ++i) {
+            for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(Gam + (i0 + i) * Kp + ch) - vload(g0 + ch));
+            exp_inplace(tmp, Kp);
+            for (int64_t ch = 0; ch < Kp; ch += L) {
+              const V f = vload(tmp + ch);
+              vstore(LQ + i * Kp + ch, vload(Kn + (i0 + i) * Kp + ch) * f);
+              vstore(LQ + (nb + i) * Kp + ch, vload(Qr + (i0 + i) * Kp + ch) * f);
+            }
+          }
+          for (int64_t j = 0; j < jn; ++j) {
+            T* w = Stg + j * Kp;
+            for (int64_t ch = 0; ch < Kp; ch += L) vstore(w + ch, vload(g0 + ch) - vload(Gam + j * Kp + ch));
+            exp_inplace(w, Kp);
+            for (int64_t ch = 0; ch < Kp; ch += L) vstore(w + ch, vload(w + ch) * vload(KW + j * Kp + ch));
+          }
+          transpose(jn, K, Stg, Kp, KWT, Cp);
+          gemm(2 * nb, round_up(jn, L), K, LQ, Kp, KWT, Cp, Pb, Cp, false);  // columns >= jn unused
+        }
+        // Rows of the block: the product's columns j < jn (masked to the triangles), zero elsewhere.
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t row = i0 + i;
+          const V bi = vsplat(Bt[row]), rv = vsplat(T(row)), jnv = vsplat(T(jn));
+          for (int64_t j = 0; j < Cp; j += L) {
+            const V jv = iota + T(j);
+            const V pk = j < jn ? vload(Pb + i * Cp + j) : V{}, pq = j < jn ? vload(Pb + (nb + i) * Cp + j) : V{};
+            vstore(Akk + row * Cp + j, (jv < rv) & (jv < jnv) ? bi * pk : V{});
+            vstore(Aqk + row * Cp + j, (jv <= rv) & (jv < jnv) ? pq : V{});
+          }
+        }
+        if (fact) continue;
+        for (int64_t i = i0; i < i0 + nb; ++i) {
+          const T* gi = Gam + i * Kp;
+          for (int64_t j = i0; j <= i; ++j) {
+            const T* gj = Gam + j * Kp;
+            for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(gi + ch) - vload(gj + ch));
+            exp_inplace(tmp, Kp);
             V accq{}, acck{};
             for (int64_t ch = 0; ch < Kp; ch += L) {
-              const V w = exp_v(vload(gi + ch) - vload(gj + ch)) * vload(kw + ch);
+              const V w = vload(tmp + ch) * vload(KW + j * Kp + ch);
               accq += vload(Qr + i * Kp + ch) * w;
               acck += vload(Kn + i * Kp + ch) * w;
             }
+            T sq = 0, sk = 0;
             for (int l = 0; l < L; ++l) {
               sq += accq[l];
               sk += acck[l];
             }
-          } else {
-            for (int64_t ch = 0; ch < K; ++ch) {
-              const T w = std::exp(gi[ch] - gj[ch]) * kw[ch];
-              sq += Qr[i * Kp + ch] * w;
-              sk += Kn[i * Kp + ch] * w;
-            }
+            Aqk[i * Cp + j] = sq;
+            if (j < i) Akk[i * Cp + j] = Bt[i] * sk;
           }
-          aq[j] = sq;
-          ak[j] = j < i ? Bt[i] * sk : T(0);
         }
-        for (int64_t j = i + 1; j < Cp; ++j) ak[j] = aq[j] = 0;
       }
     } else {
-      if (s.online) gemm(c, Cp, K, Kn, Kp, KWT, Cp, P, Cp, false, Tri::c_lower);
-      gemm(c, Cp, K, Qr, Kp, KWT, Cp, P + c * Cp, Cp, false, Tri::c_lower);
-      for (int64_t i = 0; i < c; ++i) {
-        for (int64_t j = 0; j < Cp; ++j) tmp[j] = j <= i ? Gam[i] - Gam[j] : T(-1000);
-        exp_inplace(tmp, Cp);  // e^{gamma_i - gamma_j}, 0 above the diagonal
-        T* ak = Akk + i * Cp;
-        T* aq = Aqk + i * Cp;
-        const T* pk = P + i * Cp;
-        const T* pq = P + (c + i) * Cp;
-        for (int64_t j = 0; j < Cp; ++j) {
-          aq[j] = j <= i ? tmp[j] * pq[j] : T(0);
-          ak[j] = (s.online && j < i) ? Bt[i] * tmp[j] * pk[j] : T(0);
-        }
-      }
+      intra_scalar(c, Cp, K, Kn, Qr, Kp, KWT, Gam, Bt, s.online, Akk, Aqk, tmp);
     }
-    // 7. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
+    // 6. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
     if (s.online) unit_solve(c, Vp, Akk, Cp, R, Vp, false);
-    // 8. O = Qd S_in + (Aqk ⊙ causal) R.
-    T* Og = G + c * Vp;
-    gemm(c, Vp, c, Aqk, Cp, R, Vp, Og, Vp, true, Tri::a_lower);
-    for (int64_t i = 0; i < c; ++i) store_cvt(Og + i * Vp, Vd, s.orow(b, t0 + cs + i, hv) + v0);
-    // 9. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
+    // 7. O = Qd S_in + (Aqk ⊙ causal) R.
+    gemm(c, Vp, c, Aqk, Cp, R, Vp, O, Vp, true, Tri::a_lower);
+    for (int64_t i = 0; i < c; ++i) store_cvt(O + i * Vp, Vd, s.orow(b, t0 + cs + i, hv) + v0);
+    // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
     if (diag) {
-      for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gl[ch];
+      for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(gl + ch));
       exp_inplace(tmp, Kp);
-      for (int64_t ch = 0; ch < K; ++ch)
-        for (int64_t e = 0; e < Vp; ++e) S[ch * Vp + e] *= tmp[ch];
+      for (int64_t ch = 0; ch < K; ++ch) {
+        const V f = vsplat(tmp[ch]);
+        for (int64_t e = 0; e < Vp; e += L) vstore(S + ch * Vp + e, f * vload(S + ch * Vp + e));
+      }
     } else if (s.decay == decay::Kind::scalar) {
-      const T f = std::exp(Gam[c - 1]);
-      for (int64_t i = 0; i < K * Vp; ++i) S[i] *= f;
+      const V f = vsplat(std::exp(Gam[c - 1]));
+      for (int64_t i = 0; i < K * Vp; i += L) vstore(S + i, f * vload(S + i));
     }
     gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true);
   }
