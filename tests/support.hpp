@@ -415,6 +415,15 @@ inline bool all_finite(const std::vector<double>& x) {
   return true;
 }
 
+/// The case's scalar options (scale, L2 norm, squash bound, eps, lambda) copied into `o`.
+inline void with_case_options(const Case& c, dgps::Options& o) {
+  o.scale = c.opt.scale;
+  o.l2norm_qk = c.opt.l2norm_qk;
+  o.x = c.opt.x;
+  o.eps = c.opt.eps;
+  o.lambda = c.opt.lambda;
+}
+
 /// Options for a backend with the SPEC defaults otherwise (single thread unless `threads`).
 inline dgps::Options on(dgps::Backend b, int threads = 1) {
   dgps::Options o;

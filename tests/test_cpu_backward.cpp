@@ -21,15 +21,6 @@ dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   return o;
 }
 
-/// The case's scalar options (scale, L2 norm, squash bound, eps, lambda) copied into `o`.
-void with_case_options(const Case& c, dgps::Options& o) {
-  o.scale = c.opt.scale;
-  o.l2norm_qk = c.opt.l2norm_qk;
-  o.x = c.opt.x;
-  o.eps = c.opt.eps;
-  o.lambda = c.opt.lambda;
-}
-
 /// max over every gradient of max|x - ref| / max|ref|, with the worst tensor's name in `which`.
 double worst(const Arrays& x, const Arrays& ref, std::string* which = nullptr) {
   double e = 0;

@@ -41,14 +41,6 @@ Arrays gold(const Case& c) {
   return run_forward<double>(c, o);
 }
 
-void with_case_options(const Case& c, dgps::Options& o) {
-  o.scale = c.opt.scale;
-  o.l2norm_qk = c.opt.l2norm_qk;
-  o.x = c.opt.x;
-  o.eps = c.opt.eps;
-  o.lambda = c.opt.lambda;
-}
-
 }  // namespace
 
 // Metric of the conformance suite: max|x - gold| / denominator (case.json), per tensor.
