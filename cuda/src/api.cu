@@ -190,20 +190,27 @@ cudaError_t launch_chunk_typed(const kernels::ChunkArgs& c, cudaStream_t s, cons
   return kernels::launch_chunkwise<Tin>(c, s, impl);
 }
 
-const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
+/// 16-byte row loads: aligned base, every stride and the row length a multiple of 8 elements.
+bool vec_rows(const Tensor& t, int64_t d) {
+  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
+         t.stride[2] % 8 == 0 && d % 8 == 0;
+}
+
+/// The chunkwise kernels' arguments of call `p` (workspace pointers unset).
+kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   kernels::ChunkArgs c;
   c.a = a;
   const int64_t per = (p.T + kernels::kChunk - 1) / kernels::kChunk;
   c.chunks_per_seq = p.cu_seqlens ? 0 : per;
   c.chunk_bound = p.cu_seqlens ? per + p.N : p.B * per;
   c.Vpad = static_cast<int>((p.V + 63) / 64 * 64);
-  // 16-byte row loads: aligned base, every stride and the row length a multiple of 8 elements.
-  auto vec = [](const Tensor& t, int64_t d) {
-    return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
-           t.stride[2] % 8 == 0 && d % 8 == 0;
-  };
-  c.vec_qk = vec(p.q, p.K) && vec(p.k, p.K);
-  c.vec_v = vec(p.v, p.V);
+  c.vec_qk = vec_rows(p.q, p.K) && vec_rows(p.k, p.K);
+  c.vec_v = vec_rows(p.v, p.V);
+  return c;
+}
+
+const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
+  kernels::ChunkArgs c = make_chunk_args(p, a);
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);
   const char* impl = "cuda/chunkwise";
@@ -295,11 +302,41 @@ cudaError_t launch_bwd_typed(const kernels::BwdArgs& b, cudaStream_t s) {
   return kernels::launch_backward<Tin>(b, s);
 }
 
+/// Whether a backward call runs the chunkwise (tensor-core) kernels: for 16-bit inputs unless the
+/// recurrent algorithm is asked for (float32 inputs only when chunkwise is asked for), when they cover it.
+bool use_chunk_backward(const Params& p, const kernels::RecArgs& a) {
+  if (p.T == 0 || p.algorithm == Algorithm::recurrent || force_warp_kernel()) return false;
+  const bool half = p.dtype != DType::f32 || p.algorithm == Algorithm::chunkwise;
+  return kernels::chunk_backward_covers(a, half);
+}
+
+/// The backward's arguments and workspace layout: with the chunkwise kernels (`c` non-null), their
+/// 16-bit tiles follow the float32 arrays. Returns the total bytes; points everything into `base`.
+size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
+  const size_t head = (kernels::bwd_workspace(b, base) + 255) / 256 * 256;
+  if (!c) return head;
+  return head + kernels::chunk_workspace(*c, base ? static_cast<char*>(base) + head : nullptr);
+}
+
+/// Sets up the chunkwise backward's arguments of `p` in `c` (null when it does not run) and returns them.
+kernels::ChunkArgs* chunk_backward_args(const Params& p, const GradParams& g, kernels::BwdArgs& b,
+                                        kernels::ChunkArgs& c) {
+  if (!use_chunk_backward(p, b.a)) return nullptr;
+  kernels::RecArgs a = b.a;
+  a.o = nullptr, a.hT = nullptr, a.aT = nullptr;  // the forward's outputs are not written
+  c = make_chunk_args(p, a);
+  c.bwd = true;
+  c.vec_do = vec_rows(g.d_o, p.V);
+  b.chunk = &c;
+  return &c;
+}
+
 }  // namespace
 
 size_t backward_workspace_bytes(const Params& p) {
   kernels::BwdArgs b = make_bwd_args(p, GradParams{});
-  return kernels::bwd_workspace(b, nullptr);
+  kernels::ChunkArgs c;
+  return layout_backward(b, chunk_backward_args(p, GradParams{}, b, c), nullptr);
 }
 
 const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream) {
@@ -307,8 +344,10 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   check(p, Call::backward);
   check_grads(p, g);
   kernels::BwdArgs b = make_bwd_args(p, g);
-  void* base = ws.get(kernels::bwd_workspace(b, nullptr));
-  kernels::bwd_workspace(b, base);
+  kernels::ChunkArgs c;
+  kernels::ChunkArgs* cp = chunk_backward_args(p, g, b, c);
+  void* base = ws.get(layout_backward(b, cp, nullptr));
+  layout_backward(b, cp, base);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
   switch (p.dtype) {
@@ -317,7 +356,7 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
     case DType::f16: e = launch_bwd_typed<__half>(b, s); break;
   }
   throw_on(e, "backward kernel launch");
-  return "cuda/backward/recurrent";
+  return cp ? "cuda/backward/chunkwise" : "cuda/backward/recurrent";
 }
 
 }  // namespace dgps::cuda

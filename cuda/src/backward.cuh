@@ -1,7 +1,10 @@
 /// @brief The CUDA backward's launch arguments (SPEC §3.8) and its launcher: float32 state arithmetic,
 /// fixed-order reductions (deterministic), every model the forward covers.
 ///
-/// Eight kernels on the caller's stream, sized from host-known bounds (no host synchronisation):
+/// Eight kernels on the caller's stream, sized from host-known bounds (no host synchronisation); with
+/// BwdArgs::chunk (16-bit inputs, chunk_backward_covers) steps 3 to 5 run chunkwise on tensor cores
+/// instead (chunk_backward_impl.cuh), and with the Identity preconditioner and no GVA step 5 also
+/// finishes dq and dk (steps 6 and 8 are skipped):
 ///   1. `norm_kernel`: the normalised, scaled q and k of every token (SPEC §1), zero-padded to Kp.
 ///   2. `stats_*_kernel` (diagonal preconditioners): the statistics A_t and squash M_t (SPEC §2), a
 ///      first-order scan chunked in three steps (per chunk, across chunks, per chunk again).
@@ -32,6 +35,7 @@
 
 #include <cuda_runtime.h>
 
+#include "chunk.cuh"
 #include "recurrent.cuh"
 
 namespace dgps::cuda::kernels {
@@ -50,6 +54,9 @@ struct BwdArgs {
   float *dh0 = nullptr, *da0 = nullptr;
   int64_t sdo[3]{}, sdhT[3]{}, sdaT[3]{}, sdq[3]{}, sdk[3]{}, sdv[3]{}, sdg[3]{}, sdbeta[3]{};
   int64_t sdgp[3]{}, sdbp[3]{}, sdh0[3]{}, sda0[3]{};
+  /// With the chunkwise backward (host pointer, launch_backward only): its arguments; steps 3 to 5 run
+  /// on tensor cores (chunk_backward_impl.cuh) and R, dR, S, G are not allocated.
+  const ChunkArgs* chunk = nullptr;
   int Kp = 64;           ///< K padded to 64 or 128 (row length of the key-side workspace arrays)
   int64_t rows = 0;      ///< B * T token rows
   int64_t slots = 0;     ///< checkpoint slots: rows / 64 + 2 N + 1
@@ -65,6 +72,12 @@ struct BwdArgs {
   float2* sums = nullptr;                    ///< [slots, H, Kp] per-chunk (decay product, local scan) of a stats scan
   float* carry = nullptr;                    ///< [slots, H, Kp] a stats scan's value entering each chunk
 };
+
+/// Whether the chunkwise backward's gradient kernel finishes dq and dk itself (Identity preconditioner,
+/// one value head per key head): steps 6 and 8 do not run and qn, kn, dQ, dKn, dKW are not allocated.
+__host__ __device__ inline bool fused_key_grads(const BwdArgs& b) {
+  return b.chunk != nullptr && b.a.precond == kPrecondIdentity && b.a.group == 1;
+}
 
 /// Bytes of workspace of the backward; with `base` non-null (256-byte aligned), also points `b`'s
 /// workspace pointers into it.

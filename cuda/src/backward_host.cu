@@ -15,19 +15,21 @@ size_t bwd_workspace(BwdArgs& b, void* base) {
   const size_t rows = size_t(b.rows), key = rows * size_t(a.H) * size_t(b.Kp);
   const size_t val = rows * size_t(a.HV) * size_t(a.V), vkey = rows * size_t(a.HV) * size_t(b.Kp);
   const size_t ckpt = size_t(b.slots) * size_t(a.HV) * size_t(b.Kp) * size_t(a.V);
-  b.qn = take(key);
-  b.kn = take(key);
+  const bool keys = !fused_key_grads(b);  // the per-token key-gradient kernels run
+  b.qn = keys ? take(key) : nullptr;
+  b.kn = keys ? take(key) : nullptr;
   b.rq = take(rows * size_t(a.H));
   b.rk = take(rows * size_t(a.H));
   b.A = diag ? take(key) : nullptr;
   b.M = diag ? take(key) : nullptr;
-  b.R = take(val);
-  b.dR = take(val);
-  b.S = take(ckpt);
-  b.G = take(ckpt);
-  b.dQ = take(vkey);
-  b.dKn = take(vkey);
-  b.dKW = take(vkey);
+  const bool rec = b.chunk == nullptr;  // the chunkwise backward keeps its own 16-bit tiles instead
+  b.R = rec ? take(val) : nullptr;
+  b.dR = rec ? take(val) : nullptr;
+  b.S = rec ? take(ckpt) : nullptr;
+  b.G = rec ? take(ckpt) : nullptr;
+  b.dQ = keys ? take(vkey) : nullptr;
+  b.dKn = keys ? take(vkey) : nullptr;
+  b.dKW = keys ? take(vkey) : nullptr;
   b.dA = diag ? take(key) : nullptr;
   b.dcen = diag ? take(rows * size_t(a.H)) : nullptr;
   const size_t per_chunk = size_t(b.slots) * size_t(a.H) * size_t(b.Kp);

@@ -11,16 +11,6 @@
 namespace dgps::cuda::kernels {
 namespace {
 
-/// Stores element i of a gate gradient whose element type is chosen at run time (0 f32, 1 bf16, 2 f16).
-__device__ __forceinline__ void store_gate(void* p, int64_t i, int dtype, float x) {
-  if (dtype == 1)
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(x);
-  else if (dtype == 2)
-    static_cast<__half*>(p)[i] = __float2half(x);
-  else
-    static_cast<float*>(p)[i] = x;
-}
-
 /// One sequence of the call: its batch row, first time index, length and first token row (b * T + t).
 struct Seq {
   int64_t b, t0, len, row0;
@@ -52,7 +42,8 @@ __device__ __forceinline__ float gain(const RecArgs& a, int64_t b, int64_t t, in
   return a.beta ? load_gate(a.beta, at(a.sbeta, b, t, hv), a.gate_dtype) : 1.f;
 }
 
-/// 1. Normalised q (times scale) and k of token row `row`, key head h; one warp each, zero-padded to Kp.
+/// 1. Normalised q (times scale) and k of token row `row`, key head h (when qn is allocated) and their
+/// inverse norms; one warp each, zero-padded to Kp.
 template <class Tin>
 __global__ void __launch_bounds__(128) norm_kernel(const BwdArgs b) {
   const RecArgs& a = b.a;
@@ -77,7 +68,7 @@ __global__ void __launch_bounds__(128) norm_kernel(const BwdArgs b) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int c = lane + 32 * j;
-    if (c < b.Kp) {
+    if (c < b.Kp && b.qn) {
       b.qn[w * b.Kp + c] = qv[j] * rq * a.scale;
       b.kn[w * b.Kp + c] = kv[j] * rk;
     }
@@ -933,15 +924,18 @@ cudaError_t launch_backward(const BwdArgs& b, cudaStream_t st) {
     stats_carry_kernel<<<seqs, b.Kp, 0, st>>>(b);
     stats_apply_kernel<<<chunks, b.Kp, 0, st>>>(b);
   }
-  const cudaError_t e = b.Kp == 64 ? launch_backward_k<Tin, 64>(b, st) : launch_backward_k<Tin, 128>(b, st);
+  const cudaError_t e = b.chunk         ? launch_chunk_backward<Tin>(*b.chunk, b, st)
+                        : b.Kp == 64    ? launch_backward_k<Tin, 64>(b, st)
+                                        : launch_backward_k<Tin, 128>(b, st);
   if (e != cudaSuccess) return e;
-  if (warps) key_grad_kernel<<<warps, 128, 0, st>>>(b);
+  const bool keys = !fused_key_grads(b);
+  if (warps && keys) key_grad_kernel<<<warps, 128, 0, st>>>(b);
   if (has_p) {
     stats_rev_local_kernel<<<chunks, b.Kp, 0, st>>>(b);
     stats_rev_carry_kernel<<<seqs, b.Kp, 0, st>>>(b);
     stats_rev_apply_kernel<<<chunks, b.Kp, 0, st>>>(b);
   }
-  if (warps) input_grad_kernel<Tin><<<warps, 128, 0, st>>>(b);
+  if (warps && keys) input_grad_kernel<Tin><<<warps, 128, 0, st>>>(b);
   if (has_p && b.dcenter) center_grad_kernel<<<a.H, 256, 0, st>>>(b);
   return cudaGetLastError();
 }

@@ -56,6 +56,19 @@ constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C
 constexpr size_t state_smem_bytes(int VT) {
   return sizeof(uint16_t) * (2 * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
 }
+/// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
+constexpr size_t bwd_prep_smem_bytes() { return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C; }
+/// Backward mode: the reverse pass with VT value columns: two buffers of {Wb, Qe, Ke [C][LDK], Ub,
+/// do [C][VT + 8], gamma}, the state gradient's operand copy [128][VT + 8] and dX [C][VT + 8].
+constexpr int bwd_rev_buffer_elems(int VT) { return 3 * C * LDK + 2 * C * (VT + 8) + 2 * C; }
+constexpr size_t bwd_rev_smem_bytes(int VT) {
+  return sizeof(uint16_t) * (2 * bwd_rev_buffer_elems(VT) + (KP + C) * (VT + 8));
+}
+/// Backward mode: the gradient kernel's do, r, dX [C][LDK], S_0, H [128][LDK], qr, kn, kw,
+/// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, and float row sums.
+constexpr size_t bwd_grad_smem_bytes() {
+  return sizeof(uint16_t) * (7 * C * LDK + 2 * KP * LDK + 2 * C * LDC) + sizeof(float) * (9 * C + KP + 256);
+}
 }  // namespace layout
 
 /// Largest dynamic shared memory per block on the current device (opt-in), in bytes.
@@ -77,9 +90,18 @@ struct ChunkArgs {
   float* gam = nullptr;         ///< [chunk_bound, HV, C] cumulative log decay gamma within the chunk
   float2* sums = nullptr;       ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
   float* Ain = nullptr;         ///< [chunk_bound, H, 128] statistics entering each chunk
+  // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
+  // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
+  // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
+  // T2; the state pass writes the chunk-entry states and r instead of o.
+  bool bwd = false;
+  bool vec_do = false;  ///< do rows can be read 16 bytes at a time
+  void *Kn = nullptr, *T2 = nullptr;           ///< [chunk_bound, HV, C, 128] read keys; [.., C, C] T2
+  void *S0 = nullptr, *Hc = nullptr;           ///< [chunk_bound, HV, 128, Vpad] states entering / gradients leaving each chunk
+  void *Rr = nullptr, *dX = nullptr, *dO = nullptr;  ///< [chunk_bound, HV, C, Vpad] r, dv and a copy of do
 };
 
-/// Bytes of workspace the chunkwise forward needs; with `base` non-null, also points `c`'s workspace
+/// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null, also points `c`'s workspace
 /// pointers into it (base must be 256-byte aligned).
 size_t chunk_workspace(ChunkArgs& c, void* base);
 
@@ -92,5 +114,16 @@ bool chunk_covers(const RecArgs& a);
 /// operands are f16 for __half inputs, bf16 otherwise. Names the variant in `impl`.
 template <class Tin>
 cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl);
+
+struct BwdArgs;
+
+/// True when the chunkwise backward covers the call: the chunkwise forward covers it, K >= 64 and the
+/// inputs are 16-bit (its products run on 16-bit operands; float32 inputs keep the float32 backward).
+bool chunk_backward_covers(const RecArgs& a, bool half_inputs);
+
+/// Launches the middle of the chunkwise backward (chunk_backward.cuh): from the normalised keys and
+/// statistics in `b`'s workspace to the key-side gradients dQ, dKn, dKW, dbeta, dg, dv and dh0.
+template <class Tin>
+cudaError_t launch_chunk_backward(const ChunkArgs& c, const BwdArgs& b, cudaStream_t stream);
 
 }  // namespace dgps::cuda::kernels

@@ -1,6 +1,8 @@
-/// @brief Instantiates the chunkwise forward kernels for f16 inputs (one file per input type so builds parallelise).
+/// @brief Instantiates the chunkwise forward and backward kernels for f16 inputs (one file per input type so builds parallelise).
 #include "chunk_impl.cuh"
+#include "chunk_backward_impl.cuh"
 
 namespace dgps::cuda::kernels {
 template cudaError_t launch_chunkwise<__half>(const ChunkArgs&, cudaStream_t, const char**);
+template cudaError_t launch_chunk_backward<__half>(const ChunkArgs&, const BwdArgs&, cudaStream_t);
 }  // namespace dgps::cuda::kernels

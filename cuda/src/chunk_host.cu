@@ -20,6 +20,13 @@ bool chunk_covers(const RecArgs& a) {
   return a.decay != kDecayDiagonal && a.K <= kChunkKeys && a.V <= kChunkMaxV && chunk_max_smem() >= need;
 }
 
+bool chunk_backward_covers(const RecArgs& a, bool half_inputs) {
+  // K >= 64: the tiles are 128 channels wide (narrow heads mostly multiply padding), and a chunk's 64
+  // keys in fewer dimensions make (I + Bm Diag(beta)) ill-conditioned for 16-bit operands.
+  return half_inputs && a.K >= 64 && chunk_covers(a) && a.N > 0 &&
+         chunk_max_smem() >= std::max(layout::bwd_grad_smem_bytes(), layout::bwd_rev_smem_bytes(16));
+}
+
 size_t chunk_workspace(ChunkArgs& c, void* base) {
   const RecArgs& a = c.a;
   size_t off = 0;
@@ -32,7 +39,7 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const size_t op = 2;  // bf16 or f16 operands
   c.map = reinterpret_cast<int2*>(take(a.cu_seqlens ? sizeof(int2) * size_t(c.chunk_bound) : 0));
   c.first = reinterpret_cast<int64_t*>(take(a.cu_seqlens ? sizeof(int64_t) * size_t(a.N + 1) : 0));
-  c.W = a.online ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
+  c.W = a.online || c.bwd ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
   c.Qn = take(op * tiles * kChunk * kChunkKeys);
   c.KWn = take(op * tiles * kChunk * kChunkKeys);
   c.U = take(op * tiles * kChunk * size_t(c.Vpad));
@@ -42,6 +49,15 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
   c.sums = reinterpret_cast<float2*>(take(diag ? sizeof(float2) * stats : 0));
   c.Ain = reinterpret_cast<float*>(take(diag ? sizeof(float) * stats : 0));
+  if (c.bwd) {
+    c.Kn = take(op * tiles * kChunk * kChunkKeys);
+    c.T2 = take(op * tiles * kChunk * kChunk);
+    c.S0 = take(op * tiles * kChunkKeys * size_t(c.Vpad));
+    c.Hc = take(op * tiles * kChunkKeys * size_t(c.Vpad));
+    c.Rr = take(op * tiles * kChunk * size_t(c.Vpad));
+    c.dX = take(op * tiles * kChunk * size_t(c.Vpad));
+    c.dO = take(op * tiles * kChunk * size_t(c.Vpad));
+  }
   return off;
 }
 

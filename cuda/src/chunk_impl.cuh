@@ -431,9 +431,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         const float d0 = j <= i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
         const float d1 = j + 1 <= i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
         store2(sTm + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
-        if (a.online) {
-          const float x0 = j < i ? s_beta[i] * accA[nt][e] * d0 : 0.f;
-          const float x1 = j + 1 < i ? s_beta[i] * accA[nt][e + 1] * d1 : 0.f;
+        if (a.online) {  // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
+          const float x0 = j < i ? s_beta[ca.bwd ? j : i] * accA[nt][e] * d0 : 0.f;
+          const float x1 = j + 1 < i ? s_beta[ca.bwd ? j + 1 : i] * accA[nt][e + 1] * d1 : 0.f;
           if (j / 16 == i / 16) {
             sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16] = x0;
             sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
@@ -500,7 +500,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       __syncthreads();
     }
   }
-  // Tm = Tinv Diag(beta) (Offline: Diag(beta)).
+  // Tm = Tinv Diag(beta) (Offline: Diag(beta)); backward mode: Tm = T2 = Tinv (Offline: I), also
+  // written to the workspace.
+  Op* T2 = ca.bwd ? static_cast<Op*>(ca.T2) + (gc * a.HV + hv) * C * C : nullptr;
   for (int e = tid; e < C * C / 8; e += kThreads) {
     const int i = e / (C / 8), j0 = (e % (C / 8)) * 8;
     alignas(16) Op t8[8];
@@ -508,9 +510,10 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     for (int jj = 0; jj < 8; ++jj) {
       const int j = j0 + jj;
       const float t = i == j ? 1.f : (a.online && i > j ? __half2float(sTh[i * LDC + j]) : 0.f);
-      t8[jj] = from_float<Op>(t * s_beta[j]);
+      t8[jj] = from_float<Op>(ca.bwd ? t : t * s_beta[j]);
     }
     *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = *reinterpret_cast<const uint4*>(t8);
+    if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = *reinterpret_cast<const uint4*>(t8);
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
   // Q (or qr) and KW to the workspace with the chunk's gamma (the state pass applies the decays to
@@ -522,6 +525,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
     *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
     *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+    if (ca.bwd)  // the read keys
+      *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
+          *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
   }
   if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
   __syncthreads();
@@ -576,12 +582,24 @@ __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src,
   }
 }
 
+/// Copies `rows` rows of COLS 16-bit elements from shared memory (row stride sld) to global memory
+/// (row stride gld), 16 bytes per thread and step, with all the block's threads.
+template <int COLS, class Op>
+__device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, int sld, int rows) {
+  constexpr int PR = COLS / 8;
+  for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+    const int r = e / PR, c8 = (e % PR) * 8;
+    *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+  }
+}
+
 /// Per (sequence, value head, VT value columns): the sequential pass over the sequence's chunks, on
 /// WARPS warps. The float32 state rows RW w .. RW w + RW - 1 (RW = 128 / WARPS) live in warp w's
 /// accumulators, its operand copy in sS. In the C-row products warp w owns rows 16 (w % 4) .. + 15
 /// and the value columns of group w / 4. The next chunk's tiles are copied (cp.async) while the
-/// current one is computed.
-template <class Tin, class Op, int VT, int WARPS>
+/// current one is computed. With CKPT (backward mode) it writes the state entering each chunk and
+/// the chunk's R (the residuals r) instead of o.
+template <class Tin, class Op, int VT, int WARPS, bool CKPT>
 __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
   constexpr int LDV = VT + 8;
@@ -635,6 +653,19 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   });
   Tin* o = static_cast<Tin*>(a.o);
   const int m0 = 16 * (warp % 4), c0 = (warp / 4) * NTW * 8;
+  // Backward mode: the gains of rows m0 + lane / 4 (+ 8) of chunk ci (0 past the sequence).
+  auto load_gains = [&](int64_t ci, float* gains) {
+    const int64_t t = bos + ci * C + acc_row(m0, 0);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const bool ok = ci * C + acc_row(m0, 0) + 8 * u < len;
+      gains[u] = !ok ? 0.f
+                 : a.beta ? load_gate(a.beta, b * a.sbeta[0] + (t + 8 * u) * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype)
+                          : 1.f;
+    }
+  };
+  float gain_next[2] = {1.f, 1.f};
+  if (CKPT && count > 0) load_gains(0, gain_next);
   for (int64_t ci = 0; ci < count; ++ci) {
     const int L = static_cast<int>(imin64(C, len - ci * C));
     if (ci + 1 < count) {
@@ -651,6 +682,8 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     const Op* sP = sU + C * LDV;
     const float* sG = reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens
     const float gl = sG[L - 1], gC = __expf(gl);
+    const int64_t vtile = ((first + ci) * a.HV + hv) * int64_t(ca.Vpad);  // (chunk, head) tile, in rows of Vpad
+    if (CKPT) store_tile<VT>(static_cast<Op*>(ca.S0) + vtile * KP + v0, ca.Vpad, sS, LDV, KP);
     // R = U - W S and Q S for rows m0 .. m0 + 15.
     float ws[NTW][4], acc_o[NTW][4];
 #pragma unroll
@@ -660,14 +693,16 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll 2
     for (int k0 = 0; k0 < KP; k0 += 16) {
       uint32_t fw[4], fq[4];
-      load_a(fq, sQ, LDK, m0, k0);
+      if (!CKPT) load_a(fq, sQ, LDK, m0, k0);
       if (a.online) load_a(fw, sW, LDK, m0, k0);
 #pragma unroll
       for (int nt = 0; nt < NTW; nt += 2) {
         uint32_t fb[4];
         load_b_t(fb, sS, LDV, k0, c0 + nt * 8);
-        mma<Op>(acc_o[nt], fq, fb);
-        mma<Op>(acc_o[nt + 1], fq, fb + 2);
+        if (!CKPT) {
+          mma<Op>(acc_o[nt], fq, fb);
+          mma<Op>(acc_o[nt + 1], fq, fb + 2);
+        }
         if (a.online) {
           mma<Op>(ws[nt], fw, fb);
           mma<Op>(ws[nt + 1], fw, fb + 2);
@@ -678,7 +713,11 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     // e^(gamma_C - gamma_i), zero past L.
     const int ra = acc_row(m0, 0), rb = ra + 8;
     const float eo[2] = {__expf(sG[ra]), __expf(sG[rb])};
-    const float es[2] = {ra < L ? __expf(gl - sG[ra]) : 0.f, rb < L ? __expf(gl - sG[rb]) : 0.f};
+    float es[2] = {ra < L ? __expf(gl - sG[ra]) : 0.f, rb < L ? __expf(gl - sG[rb]) : 0.f};
+    if (CKPT) {  // R = r here: the update's rows get the gains (loaded one chunk ahead)
+      es[0] *= gain_next[0], es[1] *= gain_next[1];
+      if (ci + 1 < count) load_gains(ci + 1, gain_next);
+    }
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
@@ -690,9 +729,10 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         acc_o[nt][e] *= eo[e >> 1], acc_o[nt][e + 1] *= eo[e >> 1];
       }
     __syncthreads();
+    if (CKPT) store_tile<VT>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
     // O += P R.
 #pragma unroll
-    for (int k0 = 0; k0 < C; k0 += 16) {
+    for (int k0 = 0; k0 < (CKPT ? 0 : C); k0 += 16) {
       uint32_t fp[4];
       load_a(fp, sP, LDC, m0, k0);
 #pragma unroll
@@ -708,7 +748,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = acc_row(m0, e), col = v0 + acc_col(c0 + 8 * nt, e);
-        if (i < L && col < a.V)
+        if (!CKPT && i < L && col < a.V)
           o[b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col] = from_float<Tin>(acc_o[nt][e]);
       }
     // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)).
@@ -755,10 +795,16 @@ cudaError_t allow_smem(F* f, size_t bytes) {
 template <class Tin, class Op, int VT, int WARPS = 4>
 cudaError_t launch_state(const ChunkArgs& ca, cudaStream_t stream) {
   constexpr size_t bytes = state_smem_bytes(VT);
-  static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS>, bytes);
-  if (set != cudaSuccess) return set;
   const dim3 grid(ca.Vpad / VT, ca.a.HV, ca.a.N);
-  state_kernel<Tin, Op, VT, WARPS><<<grid, WARPS * 32, bytes, stream>>>(ca);
+  if (ca.bwd) {
+    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, true>, bytes);
+    if (set != cudaSuccess) return set;
+    state_kernel<Tin, Op, VT, WARPS, true><<<grid, WARPS * 32, bytes, stream>>>(ca);
+  } else {
+    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, false>, bytes);
+    if (set != cudaSuccess) return set;
+    state_kernel<Tin, Op, VT, WARPS, false><<<grid, WARPS * 32, bytes, stream>>>(ca);
+  }
   return cudaGetLastError();
 }
 

@@ -35,6 +35,16 @@ __device__ __forceinline__ float load_gate(const void* p, int64_t i, int dtype) 
   return static_cast<const float*>(p)[i];
 }
 
+/// Stores element i of a gate gradient whose element type is chosen at run time (0 f32, 1 bf16, 2 f16).
+__device__ __forceinline__ void store_gate(void* p, int64_t i, int dtype, float x) {
+  if (dtype == 1)
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(x);
+  else if (dtype == 2)
+    static_cast<__half*>(p)[i] = __float2half(x);
+  else
+    static_cast<float*>(p)[i] = x;
+}
+
 /// The squash of SPEC §2: r = log(A + eps) - center, s = r / (1 + |r|), M = exp(-log(x) s);
 /// M = x where A + eps is not positive (log(0) = -inf gives s = -1).
 __device__ __forceinline__ float squash(float A, float center, float log_x, float eps) {

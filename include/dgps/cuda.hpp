@@ -141,11 +141,18 @@ constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, 
 
 /// Backward pass (SPEC §3.8): the gradients of `sum(o * d_o) + sum(hT * dhT) + sum(aT * daT)` with
 /// respect to every input whose destination is given in `g`, for the forward described by `p`
-/// (`p.o`, `p.hT`, `p.aT` are not read). Float32 state arithmetic throughout (a recurrent pass saves
-/// the state every 64 tokens, a reverse pass carries its gradient, and the per-token gradients are
-/// formed chunk by chunk), with fixed-order reductions and no atomics: two calls on the same inputs
-/// give bitwise equal gradients. Runs on `stream` without host synchronisation. Throws dgps::Error
-/// for a call it cannot run (nothing is launched then). Returns "cuda/backward/recurrent".
+/// (`p.o`, `p.hT`, `p.aT` are not read). Two algorithms, both with fixed-order reductions and no
+/// atomics (two calls on the same inputs give bitwise equal gradients):
+///  - chunkwise, on tensor cores (16-bit operands, float32 accumulation and state gradient; 64-token
+///    chunks, SPEC §4): for bf16/f16 inputs by default (float32 inputs with Algorithm::chunkwise)
+///    when the chunkwise forward covers the call (decay none or scalar, K, V <= 128) and K >= 64.
+///    Returns "cuda/backward/chunkwise";
+///  - otherwise (Algorithm::recurrent, float32 inputs, diagonal decay, K < 64), float32 state
+///    arithmetic throughout: a recurrent pass saves the state every 64 tokens, a reverse pass carries
+///    its gradient, and the per-token gradients are formed chunk by chunk. Returns
+///    "cuda/backward/recurrent".
+/// Runs on `stream` without host synchronisation. Throws dgps::Error for a call it cannot run
+/// (nothing is launched then).
 const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream = nullptr);
 
 /// Bytes of workspace `backward` needs for the call `p` (the workspace grows to it on the first call).

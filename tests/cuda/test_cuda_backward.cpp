@@ -2,8 +2,10 @@
 /// cases of every covered model, determinism, host-side refusals, and dgps::backward on device pointers.
 ///
 /// Float32 inputs: max|x - ref| / max|ref| within 1e-4 (SPEC §5), also against the cases' stored gold
-/// gradients. bf16 inputs: FLA's metric rms(x - ref) / rms(ref), 8e-3 for dq, dk, dv, dh0 and 2e-2 for
-/// the gate and preconditioner gradients, the reference running on the rounded inputs.
+/// gradients. bf16 inputs, or any run of the chunkwise (16-bit tensor-core) backward: FLA's metric
+/// rms(x - ref) / rms(ref), 8e-3 for dq, dk, dv, dh0 and 2e-2 for the gate and preconditioner
+/// gradients, the reference running on the rounded inputs. bf16 cases run both the chunkwise backward
+/// (automatic) and the float32 one (Algorithm::recurrent).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,12 +35,13 @@ Arrays reference_backward(const Case& c) {
   return dgps::dispatch(c.spec, [&]<class R>() { return dgps_test::run_backward<double, R>(c, opt); });
 }
 
-/// Runs dgps::cuda::backward on case `c` with q, k, v, do of type d and gates of type gd, asking for
-/// the gradients reference_backward computes (destinations poisoned with NaN first).
-Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl) {
+/// Runs dgps::cuda::backward on case `c` with q, k, v, do of type d and gates of type gd and algorithm
+/// `alg`, asking for the gradients reference_backward computes (destinations poisoned with NaN first).
+Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl,
+                    dgps::Algorithm alg = dgps::Algorithm::automatic) {
   const int64_t T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim,
                 N = c.N;
-  DeviceCase dc(c, d, gd, dgps::Algorithm::automatic);
+  DeviceCase dc(c, d, gd, alg);
   dgps::cuda::GradParams g;
   const DevBuf d_o = upload(c.arr.at("do"), d);
   g.d_o = contiguous4(d_o, T, HV, V);
@@ -93,28 +96,30 @@ double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff / double(x.size() ? x.size() : 1));
 }
 
-/// The tolerance of gradient `n` for inputs of type d: 1e-4 (max relative error) for float32; with
-/// 16-bit inputs (rms_rel) 8e-3 for dq, dk, dv, dh0 and 2e-2 for the gate and preconditioner gradients.
-double grad_tolerance(const std::string& n, DType d) {
-  if (d == DType::f32) return 1e-4;
+/// The tolerance of gradient `n`: 1e-4 (max relative error) for float32 arithmetic (`exact`); with 16-bit
+/// inputs or operands (rms_rel) 8e-3 for dq, dk, dv, dh0 and 2e-2 for the gate and preconditioner gradients.
+double grad_tolerance(const std::string& n, bool exact) {
+  if (exact) return 1e-4;
   return n == "dq" || n == "dk" || n == "dv" || n == "dh0" ? 8e-3 : 2e-2;
 }
 
-/// Compares the GPU gradients (inputs of type d, gates gd) with the float64 reference on the rounded
-/// inputs and, for float32 when `gold` is given, with the case's stored gradients (case.json denominators).
-/// Returns the GPU gradients.
+/// Compares the GPU gradients (inputs of type d, gates gd, algorithm alg) with the float64 reference on
+/// the rounded inputs and, for float32 arithmetic when `gold` is given, with the case's stored gradients
+/// (case.json denominators). Returns the GPU gradients.
 Arrays compare_backward(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
-                        const Arrays* gold) {
+                        const Arrays* gold, dgps::Algorithm alg = dgps::Algorithm::automatic) {
   std::string impl;
-  const Arrays got = gpu_backward(c, d, gd, ws, &impl);
+  const Arrays got = gpu_backward(c, d, gd, ws, &impl, alg);
   const Arrays ref = reference_backward(rounded(c, d, gd));
+  const bool exact = d == DType::f32 && impl.find("chunkwise") == std::string::npos;
+  const std::string tag = std::string(dgps::cuda::to_string(d)) + (alg == dgps::Algorithm::recurrent ? "/recurrent" : "");
   for (const auto& [n, x] : got) {
-    double err = d == DType::f32 ? dgps_test::rel_err(x, ref.at(n)) : rms_rel(x, ref.at(n));
-    if (gold && d == DType::f32 && gold->count(n)) {
+    double err = exact ? dgps_test::rel_err(x, ref.at(n)) : rms_rel(x, ref.at(n));
+    if (gold && exact && gold->count(n)) {
       const auto dn = c.denom.find(n);
       err = std::max(err, dgps_test::rel_err(x, gold->at(n), dn == c.denom.end() ? -1 : dn->second));
     }
-    report("bwd/" + name + "/" + dgps::cuda::to_string(d), n.c_str(), err, grad_tolerance(n, d), impl);
+    report("bwd/" + name + "/" + tag, n.c_str(), err, grad_tolerance(n, exact), impl);
   }
   return got;
 }
@@ -154,6 +159,10 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
     Case c = make_random("pgdn", {.batch = 1, .time = 130, .heads = 1, .v_heads = 2, .key_dim = 128, .value_dim = 128},
                          {}, seed);
     compare_backward("rand/pgdn/T130", c, DType::f32, DType::f32, ws, nullptr);
+    compare_backward("rand/pgdn/T130", c, DType::bf16, DType::f32, ws, nullptr);
+    Case v = make_random("gdn", {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
+                         {0, 1, 1, 130, 200}, seed + 1);
+    compare_backward("rand/gdn/varlen", v, DType::bf16, DType::f32, ws, nullptr);
     return;
   }
   for (const char* m : {"la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn", "pkda", "pmamba2"}) {
@@ -163,6 +172,7 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
                          seed++);
     compare_backward(name + "/B2T300H2HV4K128", c, DType::f32, DType::f32, ws, nullptr);
     compare_backward(name + "/B2T300H2HV4K128", c, DType::bf16, DType::f32, ws, nullptr);
+    compare_backward(name + "/B2T300H2HV4K128", c, DType::bf16, DType::f32, ws, nullptr, dgps::Algorithm::recurrent);
     // K = V = 64, varlen with a one-token and an empty sequence, no initial states.
     dgps_test::Gen g0;
     g0.h0 = false;
@@ -170,10 +180,19 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
     Case v = make_random(m, {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
                          {0, 100, 101, 101, 400, 700}, seed++, g0);
     compare_backward(name + "/varlen_K64", v, DType::f32, DType::f32, ws, nullptr);
+    compare_backward(name + "/varlen_K64", v, DType::bf16, DType::bf16, ws, nullptr);
     // Sizes that are not powers of two; GVA x4.
     Case o =
         make_random(m, {.batch = 3, .time = 77, .heads = 1, .v_heads = 4, .key_dim = 100, .value_dim = 48}, {}, seed++);
     compare_backward(name + "/B3T77K100V48", o, DType::f32, DType::f32, ws, nullptr);
+    compare_backward(name + "/B3T77K100V48", o, DType::f16, DType::f32, ws, nullptr);
+  }
+  // Float32 inputs on the chunkwise (16-bit operand) backward when asked for.
+  for (const char* m : {"gdn", "pgdn"}) {
+    Case c = make_random(m, {.batch = 2, .time = 200, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
+                         seed++);
+    compare_backward(std::string("rand/") + m + "/f32_chunkwise", c, DType::f32, DType::f32, ws, nullptr,
+                     dgps::Algorithm::chunkwise);
   }
   // Very strong decay (SPEC §5): every gradient finite and within tolerance.
   dgps_test::Gen strong;
@@ -182,6 +201,7 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
     Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
                          seed++, strong);
     compare_backward(std::string("rand/") + m + "/strong_decay", c, DType::f32, DType::f32, ws, nullptr);
+    compare_backward(std::string("rand/") + m + "/strong_decay", c, DType::bf16, DType::f32, ws, nullptr);
   }
   // A large case, bf16; a second run must give bitwise equal gradients (fixed-order reductions).
   for (const char* m : {"pgdn", "pkda"}) {

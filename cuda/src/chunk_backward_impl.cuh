@@ -1,0 +1,671 @@
+/// @brief The chunkwise backward on tensor cores (SPEC §3.8, §4): scalar or no decay, 16-bit operands,
+/// float32 accumulation, fixed-order reductions (deterministic). Included after chunk_impl.cuh.
+///
+/// Per chunk (C = 64 rows i, j; gamma the chunk-local cumulative gate, E = e^gamma, Ed = e^{gamma_L - gamma};
+/// Bm_ij = e^{gamma_i - gamma_j} kn_i . kw_j (j < i); T2 = (I + Bm Diag(beta))^{-1}; P_ij = e^{gamma_i - gamma_j}
+/// qr_i . kw_j (j <= i)), the forward is
+///   r = T2 (V - (Kn ⊙ E) S_0),  O = (Qr ⊙ E) S_0 + P Diag(beta) r,  S_C = e^{gamma_L} S_0 + (KW ⊙ Ed)^T Diag(beta) r,
+/// and with H = dS_C the backward is
+///   dX = dv = Ub + Wb H,  Ub = T2^T Diag(beta) P^T dO,  Wb = T2^T (Diag(beta) KW ⊙ Ed),
+///   dS_0 = e^{gamma_L} H + Qr^T (E ⊙ dO) - Kn^T (E ⊙ dX)            (online; offline: no dX term, r = V).
+/// Kernels, after the forward's intra-chunk kernel (backward mode: T2 and Kn) and its state pass
+/// (backward mode: S_0 and r of every chunk):
+///   1. `bwd_prep_kernel` (chunk, value head): Ub, Wb and a copy of do;
+///   2. `bwd_rev_kernel` (sequence, value head, value tile): chunks in reverse order, the state
+///      gradient in float32 registers; writes dv and H of every chunk, and dh0;
+///   3. `bwd_grad_kernel` (chunk, value head), with Aq = dO r^T, Ar = dX r^T masked and decayed to
+///      Mq (j < i), Mr (j < i), the diagonal d_i = dO_i . r_i apart:
+///        dqr = E ⊙ (dO S_0^T) + Mq Diag(beta) KW + d ⊙ beta ⊙ KW,   dkn = -E ⊙ (dX S_0^T) - Mr Diag(beta) KW,
+///        Pr  = Ed ⊙ (r H^T) + Mq^T Qr - Mr^T Kn + d ⊙ Qr,           dkw = beta ⊙ Pr,  dbeta = rowsum(kw ⊙ Pr),
+///        dgamma_i = qr_i . dqr_i + kn_i . dkn_i - kw_i . dkw_i (+ sum H ⊙ S_C at the last row) with the
+///      gate-free terms (d, and the last row's H r) kept out of it, as the float32 backward does; dg
+///      = suffix sums of dgamma.
+#pragma once
+
+#include "backward.cuh"
+
+namespace dgps::cuda::kernels::chunk {
+namespace {
+
+/// Element offset of (batch b, time t, head, channel c) in a tensor with strides s.
+__device__ __forceinline__ int64_t at3(const int64_t* s, int64_t b, int64_t t, int64_t head) {
+  return b * s[0] + t * s[1] + head * s[2];
+}
+
+/// Gain of token t (1 without gain), 0 for rows past the chunk.
+__device__ __forceinline__ float gain_of(const RecArgs& a, const ChunkPos& p, int i, int hv) {
+  if (i >= p.L) return 0.f;
+  return a.beta ? load_gate(a.beta, at3(a.sbeta, p.b, p.t0 + i, hv), a.gate_dtype) : 1.f;
+}
+
+/// Copies `rows` rows of `cols` 16-bit elements (cols % 8 == 0, 16-byte aligned rows) between global
+/// and shared memory (row strides sld, gld) with all the block's threads, 16 bytes per step.
+template <class Op>
+__device__ __forceinline__ void copy_tile(Op* dst, int64_t sld, const Op* src, int64_t gld, int rows, int cols) {
+  const int pr = cols / 8;
+  for (int e = threadIdx.x; e < rows * pr; e += blockDim.x) {
+    const int r = e / pr, c8 = (e % pr) * 8;
+    *reinterpret_cast<uint4*>(dst + r * sld + c8) = *reinterpret_cast<const uint4*>(src + r * gld + c8);
+  }
+}
+
+/// Starts the asynchronous copy of `rows` rows of `cols` 16-bit elements (64 or 128) from global (row
+/// stride gld) to shared memory (row stride sld) with all the block's threads (cp_commit / cp_wait).
+template <class Op>
+__device__ __forceinline__ void load_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows, int cols) {
+  if (cols == 64)
+    copy_tile_async<64>(dst, sld, src, gld, rows);
+  else
+    copy_tile_async<128>(dst, sld, src, gld, rows);
+}
+
+/// 1. Per (chunk, value head): Ub = T2^T Diag(beta) P^T dO and Wb = T2^T (Diag(beta) KW ⊙ Ed) over the
+/// state pass's U and W, and do as a zero-padded 16-bit tile.
+template <class Tin, class Op>
+__global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* sT2 = reinterpret_cast<Op*>(smem);  // [C][LDC]
+  Op* sP = sT2 + C * LDC;                 // [C][LDC]
+  Op* sDO = sP + C * LDC;                 // [C][LDK] do, later the warps' output staging
+  Op* sY = sDO + C * LDK;                 // [C][LDK] Diag(beta) P^T do
+  Op* sKW = sY + C * LDK;                 // [C][LDK] Diag(beta) KW ⊙ Ed
+  float* s_gam = reinterpret_cast<float*>(sKW + C * LDK);
+  float* s_beta = s_gam + C;
+  const int tid = threadIdx.x, warp = tid >> 5, m0 = 16 * warp;
+  const int64_t gc = blockIdx.x;
+  const int hv = blockIdx.y;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) return;
+  const int64_t head = gc * a.HV + hv, Vp = ca.Vpad;
+  if (tid < C) {
+    s_gam[tid] = ca.gam[head * C + tid];
+    s_beta[tid] = gain_of(a, p, tid, hv);
+  }
+  load_tile_async(sT2, LDC, static_cast<const Op*>(ca.T2) + head * C * C, C, C, C);
+  load_tile_async(sP, LDC, static_cast<const Op*>(ca.P) + head * C * C, C, C, C);
+  load_tile_async(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
+  cp_commit();
+  const Tin* d_o = static_cast<const Tin*>(bw.d_o) + at3(bw.sdo, p.b, p.t0, hv);
+  if (Vp == 64)
+    stage_rows<Tin, Op, 64>(sDO, LDK, d_o, bw.sdo[1], p.L, a.V, ca.vec_do);
+  else
+    stage_rows<Tin, Op, 128>(sDO, LDK, d_o, bw.sdo[1], p.L, a.V, ca.vec_do);
+  cp_wait<0>();
+  __syncthreads();
+  copy_tile(static_cast<Op*>(ca.dO) + head * C * Vp, Vp, sDO, LDK, C, int(Vp));
+  const float gl = s_gam[p.L - 1];
+  for (int e = tid; e < C * KP / 8; e += kThreads) {  // KW rows times beta Ed (zero past L)
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+    const float ed = r < p.L ? s_beta[r] * __expf(gl - s_gam[r]) : 0.f;
+    alignas(16) Op x[8];
+    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * ed);
+    *reinterpret_cast<uint4*>(sKW + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
+  }
+  // Y = Diag(beta) P^T dO, rows m0 .. m0 + 15 (A = P^T: P is stored [k][m]).
+  {
+    uint32_t fa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sP, LDC, m0, kk * 16);
+    const int ra = acc_row(m0, 0);
+    const float b0 = s_beta[ra], b1 = s_beta[ra + 8];
+#pragma unroll 1
+    for (int n0 = 0; n0 < Vp; n0 += 16) {
+      float acc[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t fb[4];
+        load_b_t(fb, sDO, LDK, kk * 16, n0);
+        mma<Op>(acc[0], fa[kk], fb);
+        mma<Op>(acc[1], fa[kk], fb + 2);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const float bb = e ? b1 : b0;
+          store2(sY + acc_row(m0, e) * LDK + acc_col(n0 + 8 * s, e), acc[s][e] * bb, acc[s][e + 1] * bb);
+        }
+    }
+  }
+  __syncthreads();  // Y and KWn ⊙ Ed complete; do is no longer read (its rows become staging)
+  {
+    uint32_t fa[4][4];  // A = T2^T (T2 is stored [k][m])
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sT2, LDC, m0, kk * 16);
+    Op* stage = sDO + m0 * LDK;
+    tm_times<Op>(fa, sY, LDK, int(Vp), stage, static_cast<Op*>(ca.U) + head * C * Vp + m0 * Vp, Vp);
+    __syncwarp();
+    tm_times<Op>(fa, sKW, LDK, KP, stage, static_cast<Op*>(ca.W) + head * C * KP + m0 * KP, KP);
+  }
+}
+
+/// 2. Per (sequence, value head, VT value columns), chunks in reverse order on WARPS warps: the state
+/// gradient H (float32 rows RW w .. of warp w, its operand copy in sH) starts at dhT; per chunk, H is
+/// stored (the gradient leaving the chunk), dX = Ub + Wb H is written (dv and the workspace tile), and
+/// H <- e^{gamma_L} H + Qr^T (E ⊙ dO) - Kn^T (E ⊙ dX). The previous chunk's tiles are copied while one
+/// is computed; the do tile is scaled by E in place.
+template <class Tin, class Op, int VT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  constexpr int LDV = VT + 8;
+  constexpr int NT = VT / 8;
+  constexpr int RW = KP / WARPS, MT = RW / 16;
+  constexpr int CG = WARPS / 4;
+  constexpr int NTW = NT / CG;
+  static_assert(NTW % 2 == 0 && MT >= 1, "tile split");
+  constexpr int BUF = bwd_rev_buffer_elems(VT);
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* sBuf = reinterpret_cast<Op*>(smem);  // 2 x {Wb, Qr, Kn [C][LDK], Ub, do [C][LDV], gamma [C] float}
+  Op* sH = sBuf + 2 * BUF;                 // [KP][LDV]
+  Op* sX = sH + KP * LDV;                  // [C][LDV] -E ⊙ dX
+
+  const int warp = threadIdx.x >> 5;
+  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT;
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
+  const int64_t Vp = ca.Vpad;
+
+  auto issue = [&](int64_t ci) {
+    Op* buf = sBuf + (ci & 1) * BUF;
+    const int64_t head = (first + ci) * a.HV + hv;
+    copy_tile_async<KP>(buf, LDK, static_cast<const Op*>(ca.W) + head * C * KP, KP, C);
+    copy_tile_async<KP>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C);
+    if (a.online) copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
+    copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<VT>(buf + 3 * C * LDK + C * LDV, LDV, static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<2 * C>(buf + 3 * C * LDK + 2 * C * LDV, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C),
+                           2 * C, 1);
+    cp_commit();
+  };
+  if (count > 0) issue(count - 1);
+
+  float H[MT][NT][4];
+  auto each_state = [&](auto&& f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(H[mt][nt][e], acc_row(RW * warp + 16 * mt, e), v0 + acc_col(8 * nt, e));
+  };
+  each_state([&](float& x, int row, int col) {
+    x = (bw.dhT && row < a.K && col < a.V)
+            ? bw.dhT[int64_t(n) * bw.sdhT[0] + hv * bw.sdhT[1] + row * bw.sdhT[2] + col]
+            : 0.f;
+    sH[row * LDV + col - v0] = from_float<Op>(x);
+  });
+  Tin* dv = static_cast<Tin*>(bw.dv);
+  const int m0 = 16 * (warp % 4), c0 = (warp / 4) * NTW * 8;
+  for (int64_t ci = count - 1; ci >= 0; --ci) {
+    const int L = static_cast<int>(imin64(C, len - ci * C));
+    if (ci > 0) {
+      issue(ci - 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const Op* sW = sBuf + (ci & 1) * BUF;
+    const Op* sQr = sW + C * LDK;
+    const Op* sKn = sW + 2 * C * LDK;
+    const Op* sU = sW + 3 * C * LDK;
+    Op* sDO = sBuf + (ci & 1) * BUF + 3 * C * LDK + C * LDV;
+    const float* sG = reinterpret_cast<const float*>(sDO + C * LDV);
+    const float gC = __expf(sG[L - 1]);
+    const int64_t head = (first + ci) * a.HV + hv;
+    store_tile<VT>(static_cast<Op*>(ca.Hc) + head * KP * Vp + v0, Vp, sH, LDV, KP);
+    for (int e = threadIdx.x; e < C * VT / 8; e += WARPS * 32) {  // do <- E ⊙ do (read after the next barrier)
+      const int r = e / (VT / 8), c8 = (e % (VT / 8)) * 8;
+      const float eg = __expf(sG[r]);
+      alignas(16) Op x[8];
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sDO + r * LDV + c8);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * eg);
+      *reinterpret_cast<uint4*>(sDO + r * LDV + c8) = *reinterpret_cast<const uint4*>(x);
+    }
+    // dX = Ub + Wb H for rows m0 .. m0 + 15.
+    float acc[NTW][4];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < KP; k0 += 16) {
+      uint32_t fw[4];
+      load_a(fw, sW, LDK, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < NTW; nt += 2) {
+        uint32_t fb[4];
+        load_b_t(fb, sH, LDV, k0, c0 + nt * 8);
+        mma<Op>(acc[nt], fw, fb);
+        mma<Op>(acc[nt + 1], fw, fb + 2);
+      }
+    }
+    Op* dXg = static_cast<Op*>(ca.dX) + head * C * Vp + v0;
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = acc_row(m0, e), j = acc_col(c0 + 8 * nt, e);
+        const float x0 = to_float(sU[i * LDV + j]) + acc[nt][e], x1 = to_float(sU[i * LDV + j + 1]) + acc[nt][e + 1];
+        const float me = -__expf(sG[i]);
+        store2(sX + i * LDV + j, me * x0, me * x1);
+        store2(dXg + i * Vp + j, x0, x1);
+        const int col = v0 + j;
+        if (dv && i < L) {
+          const int64_t o = b * bw.sdv[0] + (bos + ci * C + i) * bw.sdv[1] + hv * bw.sdv[2] + col;
+          if (col < a.V) dv[o] = from_float<Tin>(x0);
+          if (col + 1 < a.V) dv[o + 1] = from_float<Tin>(x1);
+        }
+      }
+    __syncthreads();
+    // H <- e^{gamma_L} H + Qr^T (E ⊙ dO) + Kn^T (-E ⊙ dX).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) H[mt][nt][e] *= gC;
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 16) {
+        uint32_t fq[4], fk[4];
+        load_a_t(fq, sQr, LDK, RW * warp + 16 * mt, k0);
+        if (a.online) load_a_t(fk, sKn, LDK, RW * warp + 16 * mt, k0);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t fb[4];
+          load_b_t(fb, sDO, LDV, k0, nt * 8);
+          mma<Op>(H[mt][nt], fq, fb);
+          mma<Op>(H[mt][nt + 1], fq, fb + 2);
+          if (a.online) {
+            load_b_t(fb, sX, LDV, k0, nt * 8);
+            mma<Op>(H[mt][nt], fk, fb);
+            mma<Op>(H[mt][nt + 1], fk, fb + 2);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done reading sH, sX and this chunk's buffer
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          store2(sH + acc_row(RW * warp + 16 * mt, e) * LDV + acc_col(8 * nt, e), H[mt][nt][e], H[mt][nt][e + 1]);
+  }
+  if (bw.dh0)
+    each_state([&](float& x, int row, int col) {
+      if (row < a.K && col < a.V) bw.dh0[int64_t(n) * bw.sdh0[0] + hv * bw.sdh0[1] + row * bw.sdh0[2] + col] = x;
+    });
+}
+
+/// 3. Per (chunk, value head), 8 warps: the key-side gradients (see the file comment). Warp w owns
+/// rows 16 (w % 4) .. + 15 and, of a C-column product, columns 32 (w / 4) ..; of a 128-column one,
+/// channels 64 (w / 4) ... The elementwise terms (dgamma, dbeta) use the 16-bit key tiles.
+template <class Tin, class Op>
+__global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* sDO = reinterpret_cast<Op*>(smem);  // [C][LDK]
+  Op* sR = sDO + C * LDK;                 // [C][LDK]
+  Op* sDX = sR + C * LDK;                 // [C][LDK]
+  Op* sS0 = sDX + C * LDK;                // [KP][LDK]
+  Op* sHc = sS0 + KP * LDK;               // [KP][LDK]
+  Op* sQr = sHc + KP * LDK;               // [C][LDK] read queries
+  Op* sKn = sQr + C * LDK;                // [C][LDK] read keys
+  Op* sKW = sKn + C * LDK;                // [C][LDK] write keys
+  Op* sKWb = sKW + C * LDK;               // [C][LDK] Diag(beta) KW
+  Op* sMq = sKWb + C * LDK;               // [C][LDC] masked, decayed Aq
+  Op* sMr = sMq + C * LDC;                // [C][LDC] minus the masked, decayed Ar
+  float* s_gam = reinterpret_cast<float*>(sMr + C * LDC);
+  float* s_beta = s_gam + C;
+  float* s_diag = s_beta + C;    // dO_i . r_i
+  float* s_rho = s_diag + C;     // [C][2] row sums of kw ⊙ Ed (H r), rows < L - 1
+  float* s_db = s_rho + 2 * C;   // [C][2]
+  float* s_dg = s_db + 2 * C;    // [C][2]
+  float* s_last = s_dg + 2 * C;  // [KP] H r of the last row
+  float* s_red = s_last + KP;    // [256]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int m0 = 16 * (warp & 3), hf = warp >> 2;
+  const int64_t gc = blockIdx.x;
+  const int hv = blockIdx.y;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) return;
+  const int L = p.L;
+  const int64_t head = gc * a.HV + hv, Vp = ca.Vpad;
+  const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;  // token row of the chunk's first token
+  const bool online = a.online;
+  if (tid < C) {
+    s_gam[tid] = ca.gam[head * C + tid];
+    s_beta[tid] = gain_of(a, p, tid, hv);
+  }
+  load_tile_async(sDO, LDK, static_cast<const Op*>(ca.dO) + head * C * Vp, Vp, C, int(Vp));
+  load_tile_async(sR, LDK, static_cast<const Op*>(ca.Rr) + head * C * Vp, Vp, C, int(Vp));
+  if (online) load_tile_async(sDX, LDK, static_cast<const Op*>(ca.dX) + head * C * Vp, Vp, C, int(Vp));
+  load_tile_async(sS0, LDK, static_cast<const Op*>(ca.S0) + head * KP * Vp, Vp, KP, int(Vp));
+  load_tile_async(sHc, LDK, static_cast<const Op*>(ca.Hc) + head * KP * Vp, Vp, KP, int(Vp));
+  load_tile_async(sQr, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C, KP);
+  load_tile_async(sKn, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C, KP);
+  load_tile_async(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();
+  for (int e = tid; e < C * KP / 8; e += 256) {  // Diag(beta) KW
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+    alignas(16) Op x[8];
+    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * s_beta[r]);
+    *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
+  }
+
+  // Phase 1: Aq = dO r^T, Ar = dX r^T (columns 32 hf ..), X1 = dO S0^T, X2 = dX S0^T, X3 = r H^T
+  // (channels 64 hf ..), contracted over the value columns.
+  float aq[4][4], ar[4][4], x1[8][4], x2[8][4], x3[8][4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) aq[t][e] = ar[t][e] = 0.f;
+#pragma unroll
+  for (int t = 0; t < 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x1[t][e] = x2[t][e] = x3[t][e] = 0.f;
+  const int ca0 = 32 * hf, ck0 = 64 * hf;
+#pragma unroll 1
+  for (int k0 = 0; k0 < Vp; k0 += 16) {
+    uint32_t fo[4], fx[4], fr[4];
+    load_a(fo, sDO, LDK, m0, k0);
+    load_a(fr, sR, LDK, m0, k0);
+    if (online) load_a(fx, sDX, LDK, m0, k0);
+#pragma unroll
+    for (int nt = 0; nt < 4; nt += 2) {
+      uint32_t fb[4];
+      load_b(fb, sR, LDK, ca0 + nt * 8, k0);
+      mma<Op>(aq[nt], fo, fb);
+      mma<Op>(aq[nt + 1], fo, fb + 2);
+      if (online) {
+        mma<Op>(ar[nt], fx, fb);
+        mma<Op>(ar[nt + 1], fx, fb + 2);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt += 2) {
+      uint32_t fs[4], fh[4];
+      load_b(fs, sS0, LDK, ck0 + nt * 8, k0);
+      mma<Op>(x1[nt], fo, fs);
+      mma<Op>(x1[nt + 1], fo, fs + 2);
+      if (online) {
+        mma<Op>(x2[nt], fx, fs);
+        mma<Op>(x2[nt + 1], fx, fs + 2);
+      }
+      load_b(fh, sHc, LDK, ck0 + nt * 8, k0);
+      mma<Op>(x3[nt], fr, fh);
+      mma<Op>(x3[nt + 1], fr, fh + 2);
+    }
+  }
+  // Σ H ⊙ S_0 (the state-entry part of the last row's dgamma boundary term), fixed order.
+  {
+    float acc = 0.f;
+    if (a.decay == kDecayScalar) {
+      const int shift = Vp == 64 ? 3 : 4;  // 8-element groups per row: 8 or 16
+      for (int e = tid; e < (KP << shift); e += 256) {
+        const int r = e >> shift, c8 = (e & ((1 << shift) - 1)) * 8;
+        alignas(16) Op x[8], y[8];
+        *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sHc + r * LDK + c8);
+        *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(sS0 + r * LDK + c8);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(to_float(x[j]), to_float(y[j]), acc);
+      }
+    }
+    s_red[tid] = acc;
+  }
+  const float gL = s_gam[L - 1];
+  // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = acc_row(m0, e), j = acc_col(ca0 + 8 * nt, e);
+      const float d0 = j < i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
+      const float d1 = j + 1 < i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
+      if (j == i) s_diag[i] = aq[nt][e];
+      if (j + 1 == i) s_diag[i] = aq[nt][e + 1];
+      store2(sMq + i * LDC + j, aq[nt][e] * d0, aq[nt][e + 1] * d1);
+      store2(sMr + i * LDC + j, -ar[nt][e] * d0, -ar[nt][e + 1] * d1);
+    }
+  // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
+  // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
+  float rho[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = acc_row(m0, 2 * hr);
+    const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+        x1[nt][e] *= eg;
+        x2[nt][e] *= -eg;
+        x3[nt][e] *= ed;
+        if (i == L - 1) {
+          s_last[c] = x3[nt][e];
+          x3[nt][e] = 0.f;
+        } else {
+          rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
+        }
+      }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float x = rho[hr];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * 2 + hf] = x;
+  }
+  __syncthreads();  // Mq, -Mr and the diagonal complete
+
+  // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn.
+#pragma unroll 1
+  for (int k0 = 0; k0 < C; k0 += 16) {
+    uint32_t fq[4], fr[4], fqt[4], frt[4];
+    load_a(fq, sMq, LDC, m0, k0);
+    load_a_t(fqt, sMq, LDC, m0, k0);
+    if (online) {
+      load_a(fr, sMr, LDC, m0, k0);
+      load_a_t(frt, sMr, LDC, m0, k0);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt += 2) {
+      uint32_t fb[4];
+      load_b_t(fb, sKWb, LDK, k0, ck0 + nt * 8);
+      mma<Op>(x1[nt], fq, fb);
+      mma<Op>(x1[nt + 1], fq, fb + 2);
+      if (online) {
+        mma<Op>(x2[nt], fr, fb);
+        mma<Op>(x2[nt + 1], fr, fb + 2);
+        load_b_t(fb, sKn, LDK, k0, ck0 + nt * 8);
+        mma<Op>(x3[nt], frt, fb);
+        mma<Op>(x3[nt + 1], frt, fb + 2);
+      }
+      load_b_t(fb, sQr, LDK, k0, ck0 + nt * 8);
+      mma<Op>(x3[nt], fqt, fb);
+      mma<Op>(x3[nt + 1], fqt, fb + 2);
+    }
+  }
+  // Outputs: dqr, dkn, dkw = beta Pr with the gate-free terms added; dbeta and dgamma row sums.
+  // Fused (Identity preconditioner, one value head per key head): dqn = dqr and dkn + dkw go straight
+  // through the L2 norm's backward to dq and dk (X1 <- dqn, X2 <- dkn + dkw), with the row dots
+  // qhat . dqn, khat . dkn summed below.
+  const bool fused = fused_key_grads(bw);
+  float dbr[2] = {0.f, 0.f}, dgr[2] = {0.f, 0.f}, dotq[2] = {0.f, 0.f}, dotk[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = acc_row(m0, 2 * hr);
+    const bool ok = i < L;
+    const float bi = s_beta[i], di = ok ? s_diag[i] : 0.f;
+    const int64_t row = row0 + i;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+        const float qr = to_float(sQr[i * LDK + c]), kn = to_float(sKn[i * LDK + c]), kw = to_float(sKW[i * LDK + c]);
+        const float dkn = online ? x2[nt][e] : 0.f;
+        dgr[hr] += qr * x1[nt][e] + kn * dkn - kw * bi * x3[nt][e];
+        const float dqr = fmaf(di * bi, kw, x1[nt][e]);
+        const float P = fmaf(di, qr, x3[nt][e]) + (i == L - 1 ? s_last[c] : 0.f);
+        dbr[hr] = fmaf(kw, P, dbr[hr]);
+        if (fused) {
+          x1[nt][e] = dqr;
+          x2[nt][e] = fmaf(bi, P, dkn);
+          dotq[hr] = fmaf(qr, dqr, dotq[hr]);
+          dotk[hr] = fmaf(kn, x2[nt][e], dotk[hr]);
+        } else if (ok && c < bw.Kp) {
+          const int64_t o = (row * a.HV + hv) * bw.Kp + c;
+          bw.dQ[o] = dqr;
+          bw.dKn[o] = dkn;
+          bw.dKW[o] = bi * P;
+        }
+      }
+  }
+  float* s_dot = s_red;  // [C][2][2] (q, k) row dots per channel half; s_red is read by thread 0 below
+  if (fused) {
+    __syncthreads();  // s_red (Σ H ⊙ S_0) folded into s_hs before it is reused
+    if (tid == 0) {
+      float hs = 0.f;
+      for (int x = 0; x < 256; ++x) hs += s_red[x];
+      s_last[0] = hs;  // the last row's H r is no longer needed
+    }
+    __syncthreads();
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float x = dotq[hr], y = dotk[hr];
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      y += __shfl_xor_sync(0xffffffffu, y, 1);
+      y += __shfl_xor_sync(0xffffffffu, y, 2);
+      if ((lane & 3) == 0) {
+        const int i = acc_row(m0, 2 * hr);
+        s_dot[(i * 2 + hf) * 2] = x;
+        s_dot[(i * 2 + hf) * 2 + 1] = y;
+      }
+    }
+    __syncthreads();
+    Tin* dq = static_cast<Tin*>(bw.dq);
+    Tin* dk = static_cast<Tin*>(bw.dk);
+    const float* rq = bw.rq;
+    const float* rk = bw.rk;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = acc_row(m0, 2 * hr);
+      if (i >= L) continue;
+      const int64_t row = row0 + i, t = p.t0 + i;
+      // Qn holds qhat * scale: qhat . dqn = (Qn . dqn) / scale.
+      const float sq = a.l2norm ? rq[row * a.H + hv] : 1.f, sk = a.l2norm ? rk[row * a.H + hv] : 1.f;
+      const float inv_scale = 1.f / a.scale;
+      const float dq_dot = a.l2norm ? (s_dot[(i * 2) * 2] + s_dot[(i * 2 + 1) * 2]) * inv_scale : 0.f;
+      const float dk_dot = a.l2norm ? s_dot[(i * 2) * 2 + 1] + s_dot[(i * 2 + 1) * 2 + 1] : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+          if (c >= a.K) continue;
+          const float qh = to_float(sQr[i * LDK + c]) * inv_scale, kh = to_float(sKn[i * LDK + c]);
+          if (dq) dq[at3(bw.sdq, p.b, t, hv) + c] = from_float<Tin>(a.scale * sq * (x1[nt][e] - qh * dq_dot));
+          if (dk) dk[at3(bw.sdk, p.b, t, hv) + c] = from_float<Tin>(sk * (x2[nt][e] - kh * dk_dot));
+        }
+    }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float x = dbr[hr], y = dgr[hr];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    y += __shfl_xor_sync(0xffffffffu, y, 1);
+    y += __shfl_xor_sync(0xffffffffu, y, 2);
+    if ((lane & 3) == 0) {
+      const int i = acc_row(m0, 2 * hr);
+      s_db[i * 2 + hf] = x;
+      s_dg[i * 2 + hf] = y;
+    }
+  }
+  __syncthreads();
+  if (tid < L && bw.dbeta)
+    store_gate(bw.dbeta, at3(bw.sdbeta, p.b, p.t0 + tid, hv), a.gate_dtype, s_db[tid * 2] + s_db[tid * 2 + 1]);
+  if (tid == 0 && a.decay == kDecayScalar && bw.dg) {
+    float hs = 0.f;  // Σ H ⊙ S_0 in a fixed order
+    if (fused)
+      hs = s_last[0];
+    else
+      for (int x = 0; x < 256; ++x) hs += s_red[x];
+    float bnd = __expf(gL) * hs;
+    for (int i = 0; i < L - 1; ++i) bnd = fmaf(s_beta[i], s_rho[2 * i] + s_rho[2 * i + 1], bnd);
+    float acc = bnd;
+    for (int i = L - 1; i >= 0; --i) {
+      acc += s_dg[i * 2] + s_dg[i * 2 + 1];
+      store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i, hv), a.gate_dtype, acc);
+    }
+  }
+}
+
+template <class Tin, class Op, int VT, int WARPS = 4>
+cudaError_t launch_rev(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t stream) {
+  constexpr size_t bytes = bwd_rev_smem_bytes(VT);
+  static const cudaError_t set = allow_smem(bwd_rev_kernel<Tin, Op, VT, WARPS>, bytes);
+  if (set != cudaSuccess) return set;
+  const dim3 grid(ca.Vpad / VT, ca.a.HV, ca.a.N);
+  bwd_rev_kernel<Tin, Op, VT, WARPS><<<grid, WARPS * 32, bytes, stream>>>(ca, bw);
+  return cudaGetLastError();
+}
+
+template <class Tin, class Op>
+cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t stream) {
+  const RecArgs& a = ca.a;
+  if (ca.chunk_bound == 0) return cudaSuccess;
+  const char* impl = nullptr;
+  cudaError_t e = launch_all<Tin, Op>(ca, stream, &impl);  // intra-chunk kernel and state pass, backward mode
+  if (e != cudaSuccess) return e;
+  const dim3 tiles(static_cast<unsigned>(ca.chunk_bound), a.HV);
+  static const cudaError_t set_prep = allow_smem(bwd_prep_kernel<Tin, Op>, bwd_prep_smem_bytes());
+  if (set_prep != cudaSuccess) return set_prep;
+  bwd_prep_kernel<Tin, Op><<<tiles, kThreads, bwd_prep_smem_bytes(), stream>>>(ca, bw);
+  int sms = 132, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t heads = int64_t(a.N) * a.HV;
+  const size_t smem = chunk_max_smem();
+  if (ca.Vpad == 128 && heads >= sms * 9 / 10 && bwd_rev_smem_bytes(128) <= smem)
+    e = launch_rev<Tin, Op, 128, 8>(ca, bw, stream);
+  else if (heads * (ca.Vpad / 64) >= sms && bwd_rev_smem_bytes(64) <= smem)
+    e = launch_rev<Tin, Op, 64>(ca, bw, stream);
+  else if (heads * (ca.Vpad / 32) >= sms && bwd_rev_smem_bytes(32) <= smem)
+    e = launch_rev<Tin, Op, 32>(ca, bw, stream);
+  else
+    e = launch_rev<Tin, Op, 16>(ca, bw, stream);
+  if (e != cudaSuccess) return e;
+  static const cudaError_t set_grad = allow_smem(bwd_grad_kernel<Tin, Op>, bwd_grad_smem_bytes());
+  if (set_grad != cudaSuccess) return set_grad;
+  bwd_grad_kernel<Tin, Op><<<tiles, 256, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace dgps::cuda::kernels::chunk
+
+namespace dgps::cuda::kernels {
+
+template <class Tin>
+cudaError_t launch_chunk_backward(const ChunkArgs& c, const BwdArgs& b, cudaStream_t stream) {
+  using Op = std::conditional_t<std::is_same_v<Tin, __half>, __half, __nv_bfloat16>;
+  return chunk::launch_bwd_all<Tin, Op>(c, b, stream);
+}
+
+}  // namespace dgps::cuda::kernels
