@@ -65,9 +65,10 @@ constexpr size_t bwd_rev_smem_bytes(int VT) {
   return sizeof(uint16_t) * (2 * bwd_rev_buffer_elems(VT) + (KP + C) * (VT + 8));
 }
 /// Backward mode: the gradient kernel's do, r, dX [C][LDK], S_0, H [128][LDK], qr, kn, kw,
-/// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, and float row sums.
+/// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, and float row sums of 4 column groups
+/// and a 512-thread reduction.
 constexpr size_t bwd_grad_smem_bytes() {
-  return sizeof(uint16_t) * (7 * C * LDK + 2 * KP * LDK + 2 * C * LDC) + sizeof(float) * (9 * C + KP + 256);
+  return sizeof(uint16_t) * (7 * C * LDK + 2 * KP * LDK + 2 * C * LDC) + sizeof(float) * (15 * C + KP + 512);
 }
 }  // namespace layout
 

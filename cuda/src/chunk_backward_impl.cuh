@@ -305,11 +305,25 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     });
 }
 
-/// 3. Per (chunk, value head), 8 warps: the key-side gradients (see the file comment). Warp w owns
-/// rows 16 (w % 4) .. + 15 and, of a C-column product, columns 32 (w / 4) ..; of a 128-column one,
-/// channels 64 (w / 4) ... The elementwise terms (dgamma, dbeta) use the 16-bit key tiles.
+/// Warps of the gradient kernel: 4 row blocks of 16 rows times kGradGroups column groups.
+constexpr int kGradWarps = 16, kGradGroups = kGradWarps / 4, kGradThreads = 32 * kGradWarps;
+
+/// Sum of x[0 .. kGradThreads) in shared memory by a fixed tree (all threads; x is overwritten).
+__device__ __forceinline__ float block_sum(float* x) {
+  for (int w = kGradThreads / 2; w > 0; w >>= 1) {
+    __syncthreads();
+    if (int(threadIdx.x) < w) x[threadIdx.x] += x[threadIdx.x + w];
+  }
+  __syncthreads();
+  return x[0];
+}
+
+/// 3. Per (chunk, value head), 16 warps: the key-side gradients (see the file comment). Warp w owns
+/// rows 16 (w % 4) .. + 15 and, of a C-column product, columns 16 (w / 4) ..; of a 128-column one,
+/// channels 32 (w / 4) ... The elementwise terms (dgamma, dbeta) use the 16-bit key tiles.
 template <class Tin, class Op>
-__global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, const BwdArgs bw) {
+__global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  constexpr int G = kGradGroups, NA = C / 8 / G, NK = KP / 8 / G;  // n-tiles per warp: C columns, channels
   const RecArgs& a = ca.a;
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sDO = reinterpret_cast<Op*>(smem);  // [C][LDK]
@@ -326,14 +340,14 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
   float* s_gam = reinterpret_cast<float*>(sMr + C * LDC);
   float* s_beta = s_gam + C;
   float* s_diag = s_beta + C;    // dO_i . r_i
-  float* s_rho = s_diag + C;     // [C][2] row sums of kw ⊙ Ed (H r), rows < L - 1
-  float* s_db = s_rho + 2 * C;   // [C][2]
-  float* s_dg = s_db + 2 * C;    // [C][2]
-  float* s_last = s_dg + 2 * C;  // [KP] H r of the last row
-  float* s_red = s_last + KP;    // [256]
+  float* s_rho = s_diag + C;     // [C][G] row sums of kw ⊙ Ed (H r), rows < L - 1
+  float* s_db = s_rho + G * C;   // [C][G]
+  float* s_dg = s_db + G * C;    // [C][G]
+  float* s_last = s_dg + G * C;  // [KP] H r of the last row
+  float* s_red = s_last + KP;    // [kGradThreads]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int m0 = 16 * (warp & 3), hf = warp >> 2;
+  const int m0 = 16 * (warp & 3), hf = warp >> 2;  // row block, column group
   const int64_t gc = blockIdx.x;
   const int hv = blockIdx.y;
   const ChunkPos p = chunk_pos(ca, gc);
@@ -357,7 +371,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
   cp_commit();
   cp_wait<0>();
   __syncthreads();
-  for (int e = tid; e < C * KP / 8; e += 256) {  // Diag(beta) KW
+  for (int e = tid; e < C * KP / 8; e += kGradThreads) {  // Diag(beta) KW
     const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
     alignas(16) Op x[8];
     *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
@@ -366,18 +380,18 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
   }
 
-  // Phase 1: Aq = dO r^T, Ar = dX r^T (columns 32 hf ..), X1 = dO S0^T, X2 = dX S0^T, X3 = r H^T
-  // (channels 64 hf ..), contracted over the value columns.
-  float aq[4][4], ar[4][4], x1[8][4], x2[8][4], x3[8][4];
+  // Phase 1: Aq = dO r^T, Ar = dX r^T (columns ca0 ..), X1 = dO S0^T, X2 = dX S0^T, X3 = r H^T
+  // (channels ck0 ..), contracted over the value columns.
+  float aq[NA][4], ar[NA][4], x1[NK][4], x2[NK][4], x3[NK][4];
 #pragma unroll
-  for (int t = 0; t < 4; ++t)
+  for (int t = 0; t < NA; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) aq[t][e] = ar[t][e] = 0.f;
 #pragma unroll
-  for (int t = 0; t < 8; ++t)
+  for (int t = 0; t < NK; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) x1[t][e] = x2[t][e] = x3[t][e] = 0.f;
-  const int ca0 = 32 * hf, ck0 = 64 * hf;
+  const int ca0 = 8 * NA * hf, ck0 = 8 * NK * hf;
 #pragma unroll 1
   for (int k0 = 0; k0 < Vp; k0 += 16) {
     uint32_t fo[4], fx[4], fr[4];
@@ -385,7 +399,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     load_a(fr, sR, LDK, m0, k0);
     if (online) load_a(fx, sDX, LDK, m0, k0);
 #pragma unroll
-    for (int nt = 0; nt < 4; nt += 2) {
+    for (int nt = 0; nt < NA; nt += 2) {
       uint32_t fb[4];
       load_b(fb, sR, LDK, ca0 + nt * 8, k0);
       mma<Op>(aq[nt], fo, fb);
@@ -396,7 +410,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
+    for (int nt = 0; nt < NK; nt += 2) {
       uint32_t fs[4], fh[4];
       load_b(fs, sS0, LDK, ck0 + nt * 8, k0);
       mma<Op>(x1[nt], fo, fs);
@@ -415,7 +429,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     float acc = 0.f;
     if (a.decay == kDecayScalar) {
       const int shift = Vp == 64 ? 3 : 4;  // 8-element groups per row: 8 or 16
-      for (int e = tid; e < (KP << shift); e += 256) {
+      for (int e = tid; e < (KP << shift); e += kGradThreads) {
         const int r = e >> shift, c8 = (e & ((1 << shift) - 1)) * 8;
         alignas(16) Op x[8], y[8];
         *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sHc + r * LDK + c8);
@@ -429,7 +443,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
   const float gL = s_gam[L - 1];
   // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < NA; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       const int i = acc_row(m0, e), j = acc_col(ca0 + 8 * nt, e);
@@ -448,7 +462,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     const int i = acc_row(m0, 2 * hr);
     const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < NK; ++nt)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
@@ -468,8 +482,9 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     float x = rho[hr];
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     x += __shfl_xor_sync(0xffffffffu, x, 2);
-    if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * 2 + hf] = x;
+    if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
   }
+  const float hs = a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
   __syncthreads();  // Mq, -Mr and the diagonal complete
 
   // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn.
@@ -483,7 +498,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
       load_a_t(frt, sMr, LDC, m0, k0);
     }
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
+    for (int nt = 0; nt < NK; nt += 2) {
       uint32_t fb[4];
       load_b_t(fb, sKWb, LDK, k0, ck0 + nt * 8);
       mma<Op>(x1[nt], fq, fb);
@@ -513,7 +528,7 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     const float bi = s_beta[i], di = ok ? s_diag[i] : 0.f;
     const int64_t row = row0 + i;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < NK; ++nt)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
@@ -536,15 +551,8 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
         }
       }
   }
-  float* s_dot = s_red;  // [C][2][2] (q, k) row dots per channel half; s_red is read by thread 0 below
+  float* s_dot = s_red;  // [C][G][2] (q, k) row dots per column group
   if (fused) {
-    __syncthreads();  // s_red (Σ H ⊙ S_0) folded into s_hs before it is reused
-    if (tid == 0) {
-      float hs = 0.f;
-      for (int x = 0; x < 256; ++x) hs += s_red[x];
-      s_last[0] = hs;  // the last row's H r is no longer needed
-    }
-    __syncthreads();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       float x = dotq[hr], y = dotk[hr];
@@ -554,8 +562,8 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
       y += __shfl_xor_sync(0xffffffffu, y, 2);
       if ((lane & 3) == 0) {
         const int i = acc_row(m0, 2 * hr);
-        s_dot[(i * 2 + hf) * 2] = x;
-        s_dot[(i * 2 + hf) * 2 + 1] = y;
+        s_dot[(i * G + hf) * 2] = x;
+        s_dot[(i * G + hf) * 2 + 1] = y;
       }
     }
     __syncthreads();
@@ -571,10 +579,13 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
       // Qn holds qhat * scale: qhat . dqn = (Qn . dqn) / scale.
       const float sq = a.l2norm ? rq[row * a.H + hv] : 1.f, sk = a.l2norm ? rk[row * a.H + hv] : 1.f;
       const float inv_scale = 1.f / a.scale;
-      const float dq_dot = a.l2norm ? (s_dot[(i * 2) * 2] + s_dot[(i * 2 + 1) * 2]) * inv_scale : 0.f;
-      const float dk_dot = a.l2norm ? s_dot[(i * 2) * 2 + 1] + s_dot[(i * 2 + 1) * 2 + 1] : 0.f;
+      float dq_dot = 0.f, dk_dot = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+      for (int q = 0; q < G; ++q) dq_dot += s_dot[(i * G + q) * 2], dk_dot += s_dot[(i * G + q) * 2 + 1];
+      dq_dot = a.l2norm ? dq_dot * inv_scale : 0.f;
+      dk_dot = a.l2norm ? dk_dot : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NK; ++nt)
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
@@ -594,26 +605,36 @@ __global__ void __launch_bounds__(256, 1) bwd_grad_kernel(const ChunkArgs ca, co
     y += __shfl_xor_sync(0xffffffffu, y, 2);
     if ((lane & 3) == 0) {
       const int i = acc_row(m0, 2 * hr);
-      s_db[i * 2 + hf] = x;
-      s_dg[i * 2 + hf] = y;
+      s_db[i * G + hf] = x;
+      s_dg[i * G + hf] = y;
     }
   }
   __syncthreads();
-  if (tid < L && bw.dbeta)
-    store_gate(bw.dbeta, at3(bw.sdbeta, p.b, p.t0 + tid, hv), a.gate_dtype, s_db[tid * 2] + s_db[tid * 2 + 1]);
-  if (tid == 0 && a.decay == kDecayScalar && bw.dg) {
-    float hs = 0.f;  // Σ H ⊙ S_0 in a fixed order
-    if (fused)
-      hs = s_last[0];
-    else
-      for (int x = 0; x < 256; ++x) hs += s_red[x];
-    float bnd = __expf(gL) * hs;
-    for (int i = 0; i < L - 1; ++i) bnd = fmaf(s_beta[i], s_rho[2 * i] + s_rho[2 * i + 1], bnd);
-    float acc = bnd;
-    for (int i = L - 1; i >= 0; --i) {
-      acc += s_dg[i * 2] + s_dg[i * 2 + 1];
-      store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i, hv), a.gate_dtype, acc);
+  auto row_sum = [&](const float* x, int r) {
+    float v = 0.f;
+#pragma unroll
+    for (int q = 0; q < G; ++q) v += x[r * G + q];
+    return v;
+  };
+  if (tid < L && bw.dbeta) store_gate(bw.dbeta, at3(bw.sdbeta, p.b, p.t0 + tid, hv), a.gate_dtype, row_sum(s_db, tid));
+  if (warp == 0 && a.decay == kDecayScalar && bw.dg) {
+    // Lane l owns rows 2l, 2l + 1: the boundary term (e^{gamma_L} Σ H ⊙ S_0 + Σ_{i < L-1} beta_i rho_i)
+    // by a fixed shuffle tree, then dg_i = boundary + Σ_{j >= i} dgamma_j by a reverse lane scan.
+    const int i0 = 2 * lane, i1 = i0 + 1;
+    float b = (i0 < L - 1 ? s_beta[i0] * row_sum(s_rho, i0) : 0.f) + (i1 < L - 1 ? s_beta[i1] * row_sum(s_rho, i1) : 0.f);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) b += __shfl_xor_sync(0xffffffffu, b, d);
+    const float bnd = fmaf(__expf(gL), hs, b);
+    const float r0 = i0 < L ? row_sum(s_dg, i0) : 0.f, r1 = i1 < L ? row_sum(s_dg, i1) : 0.f;
+    float suf = r0 + r1;  // inclusive suffix over lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const float up = __shfl_down_sync(0xffffffffu, suf, d);
+      if (lane + d < 32) suf += up;
     }
+    const float a1 = bnd + suf - r0, a0 = bnd + suf;  // rows i1 and i0
+    if (i1 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i1, hv), a.gate_dtype, a1);
+    if (i0 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i0, hv), a.gate_dtype, a0);
   }
 }
 
@@ -653,7 +674,7 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   if (e != cudaSuccess) return e;
   static const cudaError_t set_grad = allow_smem(bwd_grad_kernel<Tin, Op>, bwd_grad_smem_bytes());
   if (set_grad != cudaSuccess) return set_grad;
-  bwd_grad_kernel<Tin, Op><<<tiles, 256, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  bwd_grad_kernel<Tin, Op><<<tiles, kGradThreads, bwd_grad_smem_bytes(), stream>>>(ca, bw);
   return cudaGetLastError();
 }
 
