@@ -348,6 +348,7 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   kernels::ChunkArgs* cp = chunk_backward_args(p, g, b, c);
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
+  if (cp && !b.qn) cp->rq = b.rq, cp->rk = b.rk;  // the intra-chunk kernel writes the norms (norm_kernel skipped)
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
   switch (p.dtype) {

@@ -917,7 +917,7 @@ cudaError_t launch_backward(const BwdArgs& b, cudaStream_t st) {
   const RecArgs& a = b.a;
   const bool has_p = a.precond != kPrecondIdentity;
   const unsigned warps = unsigned((b.rows * a.H + 3) / 4);
-  if (warps) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);
+  if (warps && (b.qn || !b.chunk)) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);  // else the intra kernel's norms
   const dim3 chunks(unsigned(b.slots), a.H), seqs(a.H, a.N);
   if (has_p) {
     stats_local_kernel<<<chunks, b.Kp, 0, st>>>(b);

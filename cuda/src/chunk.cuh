@@ -97,6 +97,7 @@ struct ChunkArgs {
   // T2; the state pass writes the chunk-entry states and r instead of o.
   bool bwd = false;
   bool vec_do = false;  ///< do rows can be read 16 bytes at a time
+  float *rq = nullptr, *rk = nullptr;  ///< [B * T, H] inverse norms of q and k, written by the intra-chunk kernel when set
   void *Kn = nullptr, *T2 = nullptr;           ///< [chunk_bound, HV, C, 128] read keys; [.., C, C] T2
   void *S0 = nullptr, *Hc = nullptr;           ///< [chunk_bound, HV, 128, Vpad] states entering / gradients leaving each chunk
   void *Rr = nullptr, *dX = nullptr, *dO = nullptr;  ///< [chunk_bound, HV, C, Vpad] r, dv and a copy of do

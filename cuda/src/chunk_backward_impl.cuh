@@ -365,20 +365,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   if (online) load_tile_async(sDX, LDK, static_cast<const Op*>(ca.dX) + head * C * Vp, Vp, C, int(Vp));
   load_tile_async(sS0, LDK, static_cast<const Op*>(ca.S0) + head * KP * Vp, Vp, KP, int(Vp));
   load_tile_async(sHc, LDK, static_cast<const Op*>(ca.Hc) + head * KP * Vp, Vp, KP, int(Vp));
+  cp_commit();  // phase 1's tiles; the key tiles load during phase 1
   load_tile_async(sQr, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C, KP);
   load_tile_async(sKn, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C, KP);
   load_tile_async(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
   cp_commit();
-  cp_wait<0>();
+  cp_wait<1>();
   __syncthreads();
-  for (int e = tid; e < C * KP / 8; e += kGradThreads) {  // Diag(beta) KW
-    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
-    alignas(16) Op x[8];
-    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * s_beta[r]);
-    *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
-  }
 
   // Phase 1: Aq = dO r^T, Ar = dX r^T (columns ca0 ..), X1 = dO S0^T, X2 = dX S0^T, X3 = r H^T
   // (channels ck0 ..), contracted over the value columns.
@@ -441,6 +434,16 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     s_red[tid] = acc;
   }
   const float gL = s_gam[L - 1];
+  cp_wait<0>();
+  __syncthreads();  // the key tiles
+  for (int e = tid; e < C * KP / 8; e += kGradThreads) {  // Diag(beta) KW
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+    alignas(16) Op x[8];
+    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * s_beta[r]);
+    *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
+  }
   // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
 #pragma unroll
   for (int nt = 0; nt < NA; ++nt)

@@ -209,8 +209,10 @@ __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int
 
 /// L2-normalises (SPEC §1) the C staged rows of x in place and multiplies them by `mul`: two
 /// threads per row (128 threads), 64 elements each, 16 bytes at a time. Without the norm only `mul` applies.
+/// With `inv` non-null, row r's inverse norm (1 without the norm) goes to inv[r * inv_stride], r < L.
 template <class Op>
-__device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul) {
+__device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul, float* inv = nullptr,
+                                               int64_t inv_stride = 0, int L = 0) {
   static_assert(KP == 128 && C * 2 == kThreads, "two threads per row of 128");
   Op* row = x + (threadIdx.x >> 1) * LDK + (threadIdx.x & 1) * 64;
   alignas(16) Op v[64];
@@ -222,7 +224,9 @@ __device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul) {
     for (int i = 0; i < 8; ++i) ss += to_float(v[8 * j + i]) * to_float(v[8 * j + i]);
   }
   ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-  const float f = (l2norm ? rsqrtf(ss + 1e-6f) : 1.f) * mul;
+  const float rn = l2norm ? rsqrtf(ss + 1e-6f) : 1.f, f = rn * mul;
+  const int r = threadIdx.x >> 1;
+  if (inv && (threadIdx.x & 1) == 0 && r < L) inv[r * inv_stride] = rn;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -363,8 +367,13 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     stage_rows<Tin, Op, KP>(sK, LDK, k + p.b * a.sk[0] + t0 * a.sk[1] + h * a.sk[2], a.sk[1], L, a.K, ca.vec_qk);
   }
   __syncthreads();
-  normalise_rows(sQ, a.l2norm, a.scale);
-  normalise_rows(sK, a.l2norm, 1.f);
+  {
+    // Backward mode with `rq`: the inverse norms of the chunk's rows (one value head per key head writes).
+    const bool inv = ca.rq && hv % a.group == 0;
+    const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
+    normalise_rows(sQ, a.l2norm, a.scale, inv ? ca.rq + row0 * a.H + h : nullptr, a.H, L);
+    normalise_rows(sK, a.l2norm, 1.f, inv ? ca.rk + row0 * a.H + h : nullptr, a.H, L);
+  }
   if (warp == 0) {  // gamma: cumulative log decay within the chunk (warp scan, two tokens per lane)
     float g0 = s_gam[2 * lane], g1 = g0 + s_gam[2 * lane + 1];
 #pragma unroll
