@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
 }
 
 /// 2. Per (sequence, value head, VT value columns), chunks in reverse order on WARPS warps: the state
-/// gradient H (float32 rows RW w .. of warp w, its operand copy in sH) starts at dhT; per chunk, H is
+/// gradient H (float32, a block of rows and columns per warp, its operand copy in sH) starts at dhT; per chunk, H is
 /// stored (the gradient leaving the chunk), dX = Ub + Wb H is written (dv and the workspace tile), and
 /// H <- e^{gamma_L} H + Qr^T (E ⊙ dO) - Kn^T (E ⊙ dX). The previous chunk's tiles are copied while one
 /// is computed; the do tile is scaled by E in place.
@@ -152,10 +152,11 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   const RecArgs& a = ca.a;
   constexpr int LDV = VT + 8;
   constexpr int NT = VT / 8;
-  constexpr int RW = KP / WARPS, MT = RW / 16;
+  // The state: WR warps along its 128 rows (MT m-tiles each) times SG column groups (NTS n-tiles each).
+  constexpr int RB = KP / 16, WR = WARPS < RB ? WARPS : RB, MT = RB / WR, SG = WARPS / WR, NTS = NT / SG;
   constexpr int CG = WARPS / 4;
   constexpr int NTW = NT / CG;
-  static_assert(NTW % 2 == 0 && MT >= 1, "tile split");
+  static_assert(NTW % 2 == 0 && NTS % 2 == 0 && MT >= 1, "tile split");
   constexpr int BUF = bwd_rev_buffer_elems(VT);
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sBuf = reinterpret_cast<Op*>(smem);  // 2 x {Wb, Qr, Kn [C][LDK], Ub, do [C][LDV], gamma [C] float}
@@ -183,15 +184,16 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   };
   if (count > 0) issue(count - 1);
 
-  float H[MT][NT][4];
+  const int sr0 = (warp % WR) * MT * 16, sc0 = (warp / WR) * NTS * 8;  // this warp's state rows, columns
+  float H[MT][NTS][4];
   auto each_state = [&](auto&& f) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          f(H[mt][nt][e], acc_row(RW * warp + 16 * mt, e), v0 + acc_col(8 * nt, e));
+          f(H[mt][nt][e], acc_row(sr0 + 16 * mt, e), v0 + acc_col(sc0 + 8 * nt, e));
   };
   each_state([&](float& x, int row, int col) {
     x = (bw.dhT && row < a.K && col < a.V)
@@ -268,22 +270,22 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) H[mt][nt][e] *= gC;
 #pragma unroll
       for (int k0 = 0; k0 < C; k0 += 16) {
         uint32_t fq[4], fk[4];
-        load_a_t(fq, sQr, LDK, RW * warp + 16 * mt, k0);
-        if (a.online) load_a_t(fk, sKn, LDK, RW * warp + 16 * mt, k0);
+        load_a_t(fq, sQr, LDK, sr0 + 16 * mt, k0);
+        if (a.online) load_a_t(fk, sKn, LDK, sr0 + 16 * mt, k0);
 #pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
+        for (int nt = 0; nt < NTS; nt += 2) {
           uint32_t fb[4];
-          load_b_t(fb, sDO, LDV, k0, nt * 8);
+          load_b_t(fb, sDO, LDV, k0, sc0 + nt * 8);
           mma<Op>(H[mt][nt], fq, fb);
           mma<Op>(H[mt][nt + 1], fq, fb + 2);
           if (a.online) {
-            load_b_t(fb, sX, LDV, k0, nt * 8);
+            load_b_t(fb, sX, LDV, k0, sc0 + nt * 8);
             mma<Op>(H[mt][nt], fk, fb);
             mma<Op>(H[mt][nt + 1], fk, fb + 2);
           }
@@ -294,10 +296,10 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2)
-          store2(sH + acc_row(RW * warp + 16 * mt, e) * LDV + acc_col(8 * nt, e), H[mt][nt][e], H[mt][nt][e + 1]);
+          store2(sH + acc_row(sr0 + 16 * mt, e) * LDV + acc_col(sc0 + 8 * nt, e), H[mt][nt][e], H[mt][nt][e + 1]);
   }
   if (bw.dh0)
     each_state([&](float& x, int row, int col) {
@@ -667,7 +669,7 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   const int64_t heads = int64_t(a.N) * a.HV;
   const size_t smem = chunk_max_smem();
   if (ca.Vpad == 128 && heads >= sms * 9 / 10 && bwd_rev_smem_bytes(128) <= smem)
-    e = launch_rev<Tin, Op, 128, 8>(ca, bw, stream);
+    e = launch_rev<Tin, Op, 128, 16>(ca, bw, stream);
   else if (heads * (ca.Vpad / 64) >= sms && bwd_rev_smem_bytes(64) <= smem)
     e = launch_rev<Tin, Op, 64>(ca, bw, stream);
   else if (heads * (ca.Vpad / 32) >= sms && bwd_rev_smem_bytes(32) <= smem)

@@ -187,6 +187,13 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
     compare_backward(name + "/B3T77K100V48", o, DType::f32, DType::f32, ws, nullptr);
     compare_backward(name + "/B3T77K100V48", o, DType::f16, DType::f32, ws, nullptr);
   }
+  // Enough heads (B * HV >= 0.9 x the SMs of an H200) for the widest state-pass variants (128 value
+  // columns per block), GVA and not.
+  for (const char* m : {"gdn", "pgdn"}) {
+    Case c = make_random(m, {.batch = 8, .time = 130, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
+                         {}, seed++);
+    compare_backward(std::string("rand/") + m + "/B8T130H16", c, DType::bf16, DType::f32, ws, nullptr);
+  }
   // Float32 inputs on the chunkwise (16-bit operand) backward when asked for.
   for (const char* m : {"gdn", "pgdn"}) {
     Case c = make_random(m, {.batch = 2, .time = 200, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
