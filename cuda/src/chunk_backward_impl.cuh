@@ -59,6 +59,22 @@ __device__ __forceinline__ void load_tile_async(Op* dst, int sld, const Op* src,
     copy_tile_async<128>(dst, sld, src, gld, rows);
 }
 
+/// dst[r][:] = f(r) src[r][:] over `rows` rows of COLS 16-bit elements (row stride ld, shared memory;
+/// dst may be src), 16 bytes per step, with all the block's threads.
+template <int COLS, class Op, class F>
+__device__ __forceinline__ void scale_rows(Op* dst, const Op* src, int ld, int rows, F&& f) {
+  constexpr int PR = COLS / 8;
+  for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+    const int r = e / PR, c8 = (e % PR) * 8;
+    const float m = f(r);
+    alignas(16) Op x[8];
+    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(src + r * ld + c8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * m);
+    *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(x);
+  }
+}
+
 /// 1. Per (chunk, value head): Ub = T2^T Diag(beta) P^T dO and Wb = T2^T (Diag(beta) KW ⊙ Ed) over the
 /// state pass's U and W, and do as a zero-padded 16-bit tile.
 template <class Tin, class Op>
@@ -95,15 +111,8 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
   __syncthreads();
   copy_tile(static_cast<Op*>(ca.dO) + head * C * Vp, Vp, sDO, LDK, C, int(Vp));
   const float gl = s_gam[p.L - 1];
-  for (int e = tid; e < C * KP / 8; e += kThreads) {  // KW rows times beta Ed (zero past L)
-    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
-    const float ed = r < p.L ? s_beta[r] * __expf(gl - s_gam[r]) : 0.f;
-    alignas(16) Op x[8];
-    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * ed);
-    *reinterpret_cast<uint4*>(sKW + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
-  }
+  scale_rows<KP>(sKW, sKW, LDK, C,  // KW rows times beta Ed (zero past L)
+                 [&](int r) { return r < p.L ? s_beta[r] * __expf(gl - s_gam[r]) : 0.f; });
   // Y = Diag(beta) P^T dO, rows m0 .. m0 + 15 (A = P^T: P is stored [k][m]).
   {
     uint32_t fa[4][4];
@@ -111,24 +120,10 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
     for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sP, LDC, m0, kk * 16);
     const int ra = acc_row(m0, 0);
     const float b0 = s_beta[ra], b1 = s_beta[ra + 8];
-#pragma unroll 1
-    for (int n0 = 0; n0 < Vp; n0 += 16) {
-      float acc[2][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        uint32_t fb[4];
-        load_b_t(fb, sDO, LDK, kk * 16, n0);
-        mma<Op>(acc[0], fa[kk], fb);
-        mma<Op>(acc[1], fa[kk], fb + 2);
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const float bb = e ? b1 : b0;
-          store2(sY + acc_row(m0, e) * LDK + acc_col(n0 + 8 * s, e), acc[s][e] * bb, acc[s][e + 1] * bb);
-        }
-    }
+    rows_times<Op>(fa, sDO, LDK, int(Vp), [&](int e, int n, float x, float y) {
+      const float bb = e ? b1 : b0;
+      store2(sY + acc_row(m0, e) * LDK + acc_col(n, e), x * bb, y * bb);
+    });
   }
   __syncthreads();  // Y and KWn ⊙ Ed complete; do is no longer read (its rows become staging)
   {
@@ -221,15 +216,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     const float gC = __expf(sG[L - 1]);
     const int64_t head = (first + ci) * a.HV + hv;
     store_tile<VT>(static_cast<Op*>(ca.Hc) + head * KP * Vp + v0, Vp, sH, LDV, KP);
-    for (int e = threadIdx.x; e < C * VT / 8; e += WARPS * 32) {  // do <- E ⊙ do (read after the next barrier)
-      const int r = e / (VT / 8), c8 = (e % (VT / 8)) * 8;
-      const float eg = __expf(sG[r]);
-      alignas(16) Op x[8];
-      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sDO + r * LDV + c8);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * eg);
-      *reinterpret_cast<uint4*>(sDO + r * LDV + c8) = *reinterpret_cast<const uint4*>(x);
-    }
+    scale_rows<VT>(sDO, sDO, LDV, C, [&](int r) { return __expf(sG[r]); });  // E ⊙ do, read after the next barrier
     // dX = Ub + Wb H for rows m0 .. m0 + 15.
     float acc[NTW][4];
 #pragma unroll
@@ -305,6 +292,12 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     each_state([&](float& x, int row, int col) {
       if (row < a.K && col < a.V) bw.dh0[int64_t(n) * bw.sdh0[0] + hv * bw.sdh0[1] + row * bw.sdh0[2] + col] = x;
     });
+}
+
+/// Sum over the 4 lanes of a quad (the lanes holding one accumulator row), in a fixed order.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 /// Warps of the gradient kernel: 4 row blocks of 16 rows times kGradGroups column groups.
@@ -438,14 +431,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   const float gL = s_gam[L - 1];
   cp_wait<0>();
   __syncthreads();  // the key tiles
-  for (int e = tid; e < C * KP / 8; e += kGradThreads) {  // Diag(beta) KW
-    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
-    alignas(16) Op x[8];
-    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = from_float<Op>(to_float(x[j]) * s_beta[r]);
-    *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(x);
-  }
+  scale_rows<KP>(sKWb, sKW, LDK, C, [&](int r) { return s_beta[r]; });  // Diag(beta) KW
   // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
 #pragma unroll
   for (int nt = 0; nt < NA; ++nt)
@@ -484,9 +470,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float x = rho[hr];
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    const float x = quad_sum(rho[hr]);
     if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
   }
   const float hs = a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
@@ -560,11 +544,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   if (fused) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      float x = dotq[hr], y = dotk[hr];
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
-      y += __shfl_xor_sync(0xffffffffu, y, 1);
-      y += __shfl_xor_sync(0xffffffffu, y, 2);
+      const float x = quad_sum(dotq[hr]), y = quad_sum(dotk[hr]);
       if ((lane & 3) == 0) {
         const int i = acc_row(m0, 2 * hr);
         s_dot[(i * G + hf) * 2] = x;
@@ -603,11 +583,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float x = dbr[hr], y = dgr[hr];
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    y += __shfl_xor_sync(0xffffffffu, y, 1);
-    y += __shfl_xor_sync(0xffffffffu, y, 2);
+    const float x = quad_sum(dbr[hr]), y = quad_sum(dgr[hr]);
     if ((lane & 3) == 0) {
       const int i = acc_row(m0, 2 * hr);
       s_db[i * G + hf] = x;

@@ -289,11 +289,10 @@ __global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs 
   if (a.aT && c < a.K) a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = A;
 }
 
-/// One warp's 16 rows of Tm X (Tm's A fragments in `fa`, X row-major [C][ldx] with `cols` columns):
-/// the rows go through `stage` (16 rows of LDK) and out to `dst` (row stride gld) 16 bytes at a time.
-template <class Op>
-__device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Op* stage, Op* dst,
-                                         int64_t gld) {
+/// One warp's 16 rows of A X (A's fragments over the C-long inner dimension in `fa`, X row-major
+/// [C][ldx] with `cols` columns): store(e, n, x, y) gets each accumulator pair (element e of n-tile n).
+template <class Op, class Store>
+__device__ __forceinline__ void rows_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Store&& store) {
 #pragma unroll 1
   for (int n0 = 0; n0 < cols; n0 += 16) {
     float acc[2][4] = {};
@@ -307,8 +306,17 @@ __device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X
 #pragma unroll
     for (int s = 0; s < 2; ++s)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) store2(stage + acc_row(0, e) * LDK + acc_col(n0 + 8 * s, e), acc[s][e], acc[s][e + 1]);
+      for (int e = 0; e < 4; e += 2) store(e, n0 + 8 * s, acc[s][e], acc[s][e + 1]);
   }
+}
+
+/// One warp's 16 rows of Tm X (Tm's A fragments in `fa`, X row-major [C][ldx] with `cols` columns):
+/// the rows go through `stage` (16 rows of LDK) and out to `dst` (row stride gld) 16 bytes at a time.
+template <class Op>
+__device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Op* stage, Op* dst,
+                                         int64_t gld) {
+  rows_times<Op>(fa, X, ldx, cols,
+                 [&](int e, int n, float x, float y) { store2(stage + acc_row(0, e) * LDK + acc_col(n, e), x, y); });
   __syncwarp();
   copy_rows16(dst, gld, stage, LDK, cols);
 }
