@@ -6,7 +6,9 @@
 /// update, the causal halves of Akk and Aqk, the triangular solve and Aqk R); Offline 4KV + CK + CV;
 /// decode 6KV (two reads and one write of the K x V state per token). The same count is used for the
 /// recurrent runs, so GFLOP/s ratios equal time ratios. The fwdbwd group prints the forward, the
-/// chunkwise backward (ratio = (forward + backward) / forward) and the recurrent backward on a 512-token
+/// chunkwise backward (ratio = (forward + backward) / forward), the forward that fills a
+/// dgps::TrainingCache (ratio = its time / the plain forward's) and the backward that reads it (ratio =
+/// (forward with save + backward with cache) / plain forward), and the recurrent backward on a 512-token
 /// prefix (ratio = its time over the chunkwise backward's on the same prefix); the backward's GFLOP/s
 /// counts twice the forward's FLOPs. Usage:
 /// dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]
@@ -279,8 +281,10 @@ struct Bench {
   };
 
   /// Seconds of one backward of model R on `p` with algorithm `alg` (median of `reps`); `info` gets what ran.
+  /// With `cache` (filled by a forward of the same problem) the backward reads it.
   template <class R>
-  double time_backward(const Problem& p, int threads, dgps::Algorithm alg, int reps, dgps::RunInfo& info) {
+  double time_backward(const Problem& p, int threads, dgps::Algorithm alg, int reps, dgps::RunInfo& info,
+                       const dgps::TrainingCache* cache = nullptr) {
     auto in = p.inputs<R>();
     GradBuffers g;
     g.template init<R>(p);
@@ -288,7 +292,21 @@ struct Bench {
     opt.backend = dgps::Backend::cpu;
     opt.algorithm = alg;
     opt.threads = threads;
-    return time_median(reps, [&] { info = dgps::backward<R>(in, dgps::grads_in<float>(p.d_o.data()), g.gr, opt); });
+    auto gin = dgps::grads_in<float>(p.d_o.data());
+    if (cache) gin.use_saved(*cache);
+    return time_median(reps, [&] { info = dgps::backward<R>(in, gin, g.gr, opt); });
+  }
+
+  /// Seconds of one chunkwise forward of model R on `p` that saves into `cache` (median of `reps`).
+  template <class R>
+  double time_forward_saving(const Problem& p, int threads, int reps, dgps::TrainingCache& cache) {
+    auto in = p.inputs<R>();
+    auto out = dgps::outputs<float>(const_cast<float*>(p.o.data())).save_for_backward(cache);
+    dgps::Options opt;
+    opt.backend = dgps::Backend::cpu;
+    opt.algorithm = dgps::Algorithm::chunkwise;
+    opt.threads = threads;
+    return time_median(reps, [&] { dgps::forward<R>(in, out, opt); });
   }
 
   /// Training step cost: the forward, the chunkwise backward and (fwd + bwd) / fwd on `p`; then the
@@ -307,6 +325,25 @@ struct Bench {
       r.pct_peak = 100.0 * r.gflops / peak_for(th);
       r.ratio = (f.seconds + b) / f.seconds;  // (forward + backward) / forward
       print(r);
+      // Training with saved activations (dgps::TrainingCache): the forward that saves, then the backward
+      // that reads them; ratio = (forward with save + backward with cache) / plain forward.
+      dgps::TrainingCache cache;
+      const double fs = time_forward_saving<R>(p, th, args.reps, cache);
+      Record rs{"fwdbwd", model, "fwd+save", f.impl, p.B, p.T, p.H, p.K, p.V, th};
+      rs.seconds = fs;
+      rs.tokens_per_s = double(p.B * p.T) / fs;
+      rs.gflops = f.gflops * f.seconds / fs;
+      rs.pct_peak = f.pct_peak * f.seconds / fs;
+      rs.ratio = fs / f.seconds;  // forward with save / plain forward
+      print(rs);
+      const double bcache = time_backward<R>(p, th, dgps::Algorithm::chunkwise, args.reps, info, &cache);
+      Record rc{"fwdbwd", model, "bwd-cached", info.impl, p.B, p.T, p.H, p.K, p.V, th};
+      rc.seconds = bcache;
+      rc.tokens_per_s = double(p.B * p.T) / bcache;
+      rc.gflops = 2.0 * flops_per_token_head<R>(p.K, p.V, 64) * double(p.B * p.T * p.H) / bcache * 1e-9;
+      rc.pct_peak = 100.0 * rc.gflops / peak_for(th);
+      rc.ratio = (fs + bcache) / f.seconds;  // (forward with save + backward with cache) / plain forward
+      print(rc);
       if (args.quick) continue;
       const double bc = time_backward<R>(pr, th, dgps::Algorithm::chunkwise, args.reps, info);
       const double br = time_backward<R>(pr, th, dgps::Algorithm::recurrent, 1, info);
@@ -461,6 +498,8 @@ struct Bench {
       fwdbwd<dgps::PGDN>("pgdn", p, pr);
       fwdbwd<dgps::KDA>("kda", p, pr);
       fwdbwd<dgps::PKDA>("pkda", p, pr);
+      fwdbwd<dgps::DeltaNet>("deltanet", p, pr);
+      fwdbwd<dgps::Mamba2>("mamba2", p, pr);
     }
     if (want("decode")) {
       for (int64_t B : {int64_t(1), int64_t(16)}) {

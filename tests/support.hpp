@@ -313,6 +313,18 @@ inline Case random_case(const dgps::ModelSpec& spec, const dgps::Shape& shape, c
 /// Results of a call as float64 arrays by name ("o", "hT", "aT"; "dq", ..., "dh0", "da0").
 using Arrays = std::map<std::string, std::vector<double>>;
 
+/// max over every array of `ref` (outputs or gradients) of max|x - ref| / max|ref|, with the worst
+/// array's name in `which`.
+inline double worst(const Arrays& x, const Arrays& ref, std::string* which = nullptr) {
+  double e = 0;
+  for (const auto& [n, v] : ref) {
+    const double en = rel_err(x.at(n), v);
+    if (en > e && which) *which = n;
+    e = std::max(e, en);
+  }
+  return e;
+}
+
 /// A view of `v` with the given sizes (contiguous).
 template <class U>
 dgps::TensorView<U> tv(std::vector<std::remove_const_t<U>>& v, std::vector<int64_t> dims) {

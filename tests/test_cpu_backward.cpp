@@ -21,17 +21,6 @@ dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   return o;
 }
 
-/// max over every gradient of max|x - ref| / max|ref|, with the worst tensor's name in `which`.
-double worst(const Arrays& x, const Arrays& ref, std::string* which = nullptr) {
-  double e = 0;
-  for (const auto& [n, v] : ref) {
-    const double en = rel_err(x.at(n), v);
-    if (en > e && which) *which = n;
-    e = std::max(e, en);
-  }
-  return e;
-}
-
 /// The reference backward (float64).
 Arrays gold_grads(const Case& c) { return run_backward<double>(c, on(dgps::Backend::reference)); }
 

@@ -24,13 +24,6 @@ dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   return o;
 }
 
-/// max over o, hT, aT of max|x - ref| / max|ref|.
-double worst(const Arrays& x, const Arrays& ref) {
-  double e = 0;
-  for (const auto& [n, v] : ref) e = std::max(e, rel_err(x.at(n), v));
-  return e;
-}
-
 /// The reference forward (float64) of a case, with chunk-independent options.
 Arrays gold(const Case& c) {
   dgps::Options o = on(dgps::Backend::reference);

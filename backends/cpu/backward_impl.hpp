@@ -8,7 +8,10 @@
 ///     (transposed), its pseudo-values R (transposed) and its intra-chunk matrices; a reverse sweep
 ///     then carries the state gradient dS from dhT to dh0, writes dv, dbeta and dg, and adds the
 ///     gradients of the read queries, read keys and write keys of every token (summed over the
-///     group's value heads, GVA);
+///     group's value heads, GVA). With a training cache (KernelParams::saved, filled by the forward)
+///     there is no forward sweep: the reverse sweep reads each chunk's S_in, R, Aqk and Akk / beta
+///     from the cache, and runs step 1 chunk by chunk in the first value head's sweep (from the
+///     statistics entering the chunk, also saved), so that its input rows are prefetched meanwhile;
 ///  3. a reverse token pass chains those through the preconditioner statistics (dk, dg_p, dbeta_p,
 ///     dcenter, da0) and through the L2 norm and scale (dq, dk); it runs chunk by chunk inside the
 ///     last value head's reverse sweep, while the chunk's token gradients are still in cache.
@@ -32,12 +35,14 @@ namespace {
 /// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
 /// Same layout rules as `gemm` (n a multiple of the vector length).
 template <class T>
-void gemm_upper(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
+void gemm_upper(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
+                Trickle<T>* tr = nullptr) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
     const bool two = j0 + 2 * L <= n;
     for (int64_t i0 = 0; i0 < m; i0 += kMR) {
       const int mr = int(imin(kMR, m - i0));
+      if (tr) tr->step();
       const T* a = A + i0 * lda + i0;
       const T* bb = B + i0 * ldb + j0;
       T* cc = C + i0 * ldc + j0;
@@ -83,12 +88,6 @@ inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
   return m;
 }
 
-/// 1 / sqrt(sum x^2 + 1e-6) of one row (SPEC §1), the sum in vector lanes.
-template <class T>
-inline T row_rstd(const T* x, int64_t K) {
-  return T(1) / std::sqrt(dotv(x, x, K) + T(1e-6));
-}
-
 /// M[i] = squash(A[i]) (SPEC §2) and D[i] = dM/dA there, M (-log x) / ((1 + |r|)^2 (A + eps)) with
 /// r = log(A + eps) - center, in one pass (one log per element); D = 0 where A + eps <= 0 (as the
 /// reference). n a multiple of the vector length for float.
@@ -99,14 +98,13 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
     constexpr int L = Vec<float>::L;
     for (; i < n; i += L) {
       const VF ae = vload(A + i) + eps;
-      bool normal = true;
-      for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
-      if (normal) {
+      if (all_lanes(ae >= vsplat(1.17549435e-38f))) {
         const VF r = log_v(ae) - center;
         const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
-        const VF m = exp_v(-log_x * (r / den));
+        const VF iden = recip_v(den);  // the forward's squash_v rounding
+        const VF m = exp_v((-log_x * r) * iden);
         vstore(M + i, m);
-        vstore(D + i, m * -log_x / (den * den * ae));
+        vstore(D + i, m * -log_x * (iden * iden) / ae);
       } else {
         for (int l = 0; l < L; ++l) M[i + l] = squash_grad1(A[i + l], center, log_x, eps, D + i + l);
       }
@@ -145,6 +143,12 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
   const bool decays = diag || scal, online = s.online;
   const T ctr = s.diag_pre ? s.center(h) : T(0);
   *dcenter_out = 0;
+  // Training cache (KernelParams::saved) filled by the forward: each chunk's S_in, R and intra-chunk
+  // matrices are read from it (one chunk at a time) instead of recomputed by a forward sweep.
+  const T* sv = p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block
+                                   : nullptr;
+  const bool cached = sv != nullptr;
+  const int64_t nst = cached ? 1 : nch;  // chunks held by the per-chunk stores
 
   // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
   // Per token [len, Kp]: normalised q, k, read queries, write keys, squash M, statistics A_t, dM/dA, the
@@ -160,7 +164,8 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
   T *E = nullptr, *Ed = nullptr, *eC = nullptr, *Kne = nullptr, *Qd = nullptr, *Kd = nullptr, *KWd = nullptr;
   T *QKdT = nullptr, *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
   T *AqT = nullptr, *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr, *dBT = nullptr;
-  T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dST = nullptr, *ddq = nullptr, *dgam = nullptr, *sumC = nullptr,
+  T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dKWdT = nullptr, *dST = nullptr, *ddq = nullptr,
+    *dgam = nullptr, *sumC = nullptr,
     *dbet = nullptr;
   T *tmp = nullptr, *acc = nullptr;
   // Diagonal-decay sub-blocks.
@@ -181,23 +186,22 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, len), take(rk, len);
     take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
     take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt : 0), take(Dt, s.diag_pre ? nt : 0);
-    take(SinT, nch * Vd * Kp), take(RT, nch * Vd * Cp), take(Rs, nch * C * Vp), take(Bms, nch * C * Cp);
-    take(Aqs, nch * C * Cp);
+    take(SinT, nst * Vd * Kp), take(RT, nst * Vd * Cp), take(Rs, nst * C * Vp), take(Bms, nst * C * Cp);
+    take(Aqs, nst * C * Cp);
     return off;
   };
-  const ScratchLease<T> scratch(big_layout(nullptr));
-  big_layout(scratch.get());
+  // One block kept by the thread across tasks and calls (ScratchLease): the per-token arrays and
+  // stores, then the chunk operands (zeroed). A fresh allocation per task paid its page faults.
+  const int64_t n_big = big_layout(nullptr);
   auto grad_row = [&](int64_t t) { return (r == 1 ? t % C : t) * Kp; };
-  if (!s.atq) Qr = Qn;
-  if (!s.atk) KW = Kn;
   auto layout = [&](T* base) {
     int64_t off = 0;
     auto take = [&](T*& ptr, int64_t cnt) {
       ptr = base ? base + off : nullptr;
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
-    take(S, K * Vp), take(dST, Vd * Kp), take(dS, K * Vp), take(Vb, C * Vp), take(G, C * Vp), take(R, C * Vp),
-        take(Akk, C * Cp);
+    take(S, K * Vp), take(dST, cached ? 0 : Vd * Kp), take(dS, K * Vp), take(Vb, C * Vp), take(G, C * Vp);
+    take(R, C * Vp), take(Akk, C * Cp);
     take(Gam, C * Kp), take(E, C * Kp), take(Ed, C * Kp), take(Kne, C * Kp), take(Qd, C * Kp), take(Kd, C * Kp);
     take(KWd, C * Kp), take(dQi, C * Kp), take(dKi, C * Kp), take(dKWi, C * Kp), take(dgam, C * Kp);
     take(dQd, 2 * Cp * Kp);
@@ -205,6 +209,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     take(eC, Kp), take(sumC, Kp), take(acc, Kp), take(Bt, Cp), take(dbet, Cp), take(ddq, Cp), take(tmp, Kp + Cp);
     take(QKdT, K * C2), take(KWdT, K * Cp), take(KWT, K * Cp), take(dBT, C * Cp);
     take(dKWd, C * Kp), take(dOX, C2 * Vp), take(AqT, C * Cp), take(dAB, C2 * Cp);
+    take(dKWdT, cached ? K * Cp : 0);
     if (diag) {
       take(LQK, S2 * Kp), take(Fi, kSub * Kp), take(KWt, C * Kp), take(Fj, C * Kp), take(KWtT, K * Cp);
       take(dLQK, S2 * Kp), take(dABt, C * S2), take(dKWt, C * Kp), take(Pb, S2 * Cp);
@@ -212,8 +217,13 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     take(A0, Kp), take(dA, Kp), take(dqn, Kp), take(dkn, Kp), take(dx, Kp), take(qh, Kp), take(ones, Kp);
     return off;
   };
-  Scratch<T> mem(layout(nullptr));
-  layout(mem.base);
+  const int64_t n_small = layout(nullptr);
+  const ScratchLease<T> scratch(n_big + n_small);
+  big_layout(scratch.get());
+  layout(scratch.get() + n_big);
+  std::memset(static_cast<void*>(scratch.get() + n_big), 0, size_t(n_small) * sizeof(T));
+  if (!s.atq) Qr = Qn;
+  if (!s.atk) KW = Kn;
   for (int64_t c = 0; c < K; ++c) ones[c] = 1;
 
   // 1. Token pass (SPEC §1-2): normalised q (times scale) and k, statistics A_t, M, qr and kw.
@@ -221,31 +231,37 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
     for (int64_t c = 0; c < K; ++c) A0[c] = a0[c];
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t ti = t0 + t;
-    if (t + 8 < len) {
-      prefetch(s.qrow(b, ti + 8, h), K * int64_t(sizeof(T)));
-      prefetch(s.krow(b, ti + 8, h), K * int64_t(sizeof(T)));
+  // Tokens [ta, tb), the statistics entering them being `a_in` (A0 for ta = 0); with ta > 0 also writes
+  // a_in to row ta - 1 of At, which the reverse token pass reads.
+  auto token_rows = [&](int64_t ta, int64_t tb, const T* a_in) {
+    if (s.diag_pre && ta > 0 && a_in != At + (ta - 1) * Kp)
+      std::memcpy(At + (ta - 1) * Kp, a_in, size_t(Kp) * sizeof(T));
+    for (int64_t t = ta; t < tb; ++t) {
+      const int64_t ti = t0 + t;
+      if (t + 8 < tb) {
+        prefetch(s.qrow(b, ti + 8, h), K * int64_t(sizeof(T)));
+        prefetch(s.krow(b, ti + 8, h), K * int64_t(sizeof(T)));
+      }
+      load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + t * Kp, rq + t);
+      load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + t * Kp, rk + t);
+      for (int64_t c = K; c < Kp; ++c) Qn[t * Kp + c] = Kn[t * Kp + c] = 0;
+      if (s.diag_pre) {
+        const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
+        const T* prev = t > ta ? At + (t - 1) * Kp : a_in;
+        const T* kn = Kn + t * Kp;
+        for (int64_t c = 0; c < Kp; ++c) At[t * Kp + c] = a * prev[c] + bb * kn[c] * kn[c];
+      }
     }
-    load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + t * Kp);
-    load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + t * Kp);
-    rq[t] = p.l2norm ? row_rstd(s.qrow(b, ti, h), K) : T(1);
-    rk[t] = p.l2norm ? row_rstd(s.krow(b, ti, h), K) : T(1);
-    for (int64_t c = K; c < Kp; ++c) Qn[t * Kp + c] = Kn[t * Kp + c] = 0;
-    if (s.diag_pre) {
-      const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-      const T* prev = t ? At + (t - 1) * Kp : A0;
-      const T* kn = Kn + t * Kp;
-      for (int64_t c = 0; c < Kp; ++c) At[t * Kp + c] = a * prev[c] + bb * kn[c] * kn[c];
-    }
-  }
-  if (s.diag_pre) {
-    squash_slope(At, Mt, Dt, len * Kp, ctr, s.log_x, s.eps);
-  }
-  if (s.atq)
-    for (int64_t i = 0; i < len * Kp; ++i) Qr[i] = Qn[i] * Mt[i];
-  if (s.atk)
-    for (int64_t i = 0; i < len * Kp; ++i) KW[i] = Kn[i] * Mt[i];
+    const int64_t o = ta * Kp, n = (tb - ta) * Kp;
+    if (s.diag_pre) squash_slope(At + o, Mt + o, Dt + o, n, ctr, s.log_x, s.eps);
+    if (s.atq)
+      for (int64_t i = o; i < o + n; ++i) Qr[i] = Qn[i] * Mt[i];
+    if (s.atk)
+      for (int64_t i = o; i < o + n; ++i) KW[i] = Kn[i] * Mt[i];
+  };
+  // Without a training cache all at once; with one chunk by chunk in the first value head's reverse
+  // sweep (the forward saved the statistics entering each chunk), its rows prefetched meanwhile.
+  if (!cached) token_rows(0, len, A0);
 
   // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors, decayed keys and
   // queries, and their transposes (padding columns cleared, as the stacked products read them).
@@ -453,8 +469,45 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     }
   };
 
-  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq), then the reverse sweep over chunks
-  // (which runs step 3 for the last value head).
+  // Chunk ci of value head hv from the training cache: S_in^T, R, R^T (padding cleared as the forward
+  // sweep leaves it), Aq and Bm unpacked from P. Offline, R = Diag(beta) V (Bt of the chunk built).
+  auto load_saved = [&](int64_t hv, int64_t ci, int64_t cs, int64_t c) {
+    const int64_t ld = p.saved_ld, pld = p.saved_pld;
+    const T* blk = sv + (hv * nch + ci) * p.saved_block;
+    transpose(K, Vd, blk, ld, SinT, Kp);
+    if (K < Kp)
+      for (int64_t e = 0; e < Vd; ++e)
+        for (int64_t ch = K; ch < Kp; ++ch) SinT[e * Kp + ch] = 0;
+    if (online) {
+      const T* rs = blk + K * ld;
+      for (int64_t i = 0; i < c; ++i) {
+        std::memcpy(Rs + i * Vp, rs + i * ld, size_t(Vd) * sizeof(T));
+        for (int64_t e = Vd; e < Vp; ++e) Rs[i * Vp + e] = 0;
+      }
+    } else {
+      for (int64_t i = 0; i < c; ++i) {
+        const T* v = s.vrow(b, t0 + cs + i, hv);
+        for (int64_t e = 0; e < Vd; ++e) Rs[i * Vp + e] = Bt[i] * v[e];
+        for (int64_t e = Vd; e < Vp; ++e) Rs[i * Vp + e] = 0;
+      }
+    }
+    transpose(c, Vd, Rs, Vp, RT, Cp);
+    if (c < Cp)
+      for (int64_t e = 0; e < Vd; ++e)
+        for (int64_t i = c; i < Cp; ++i) RT[e * Cp + i] = 0;
+    const T* P = blk + K * ld + (online ? C * ld : 0);
+    const V iota = iota_v<T>();
+    if (online) transpose(c, c, P, pld, Bms, Cp);  // Bm[i][j] = P[j][i], kept for j < i below
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j < Cp; j += L) {
+        const V jv = iota + T(j), pv = vload(P + i * pld + j);
+        vstore(Aqs + i * Cp + j, jv <= vsplat(T(i)) ? pv : V{});
+        if (online) vstore(Bms + i * Cp + j, jv < vsplat(T(i)) ? vload(Bms + i * Cp + j) : V{});
+      }
+  };
+
+  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq; skipped with a training cache), then
+  // the reverse sweep over chunks (which runs step 3 for the last value head).
   for (int64_t jh = 0; jh < r; ++jh) {
     const int64_t hv = h * r + jh;
     std::memset(S, 0, size_t(K * Vp) * sizeof(T));
@@ -462,7 +515,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       const T* h0 = s.state(p.h0, si, hv);
       for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * Vp, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
     }
-    for (int64_t ci = 0; ci < nch; ++ci) {
+    for (int64_t ci = 0; !cached && ci < nch; ++ci) {
       const int64_t cs = ci * C, c = imin(C, len - cs);
       T* Bm = Bms + ci * C * Cp;
       T* Aq = Aqs + ci * C * Cp;
@@ -504,31 +557,62 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
     T* dX = dOX + Cp * Vp;
     T* dAq = dAB;
     T* dB = dAB + Cp * Cp;
+    auto do_row = [&](int64_t t) {
+      return cptr<T>(p.d_o) + b * p.d_o.stride[0] + (t0 + t) * p.d_o.stride[1] + hv * p.d_o.stride[2];
+    };
+    // The previous chunk's rows are prefetched from inside this chunk's products (Trickle); `steps` is
+    // the number of step() calls of the chunk before.
+    Trickle<T> tr;
+    int64_t steps = 200;
     for (int64_t ci = nch - 1; ci >= 0; --ci) {
       const int64_t cs = ci * C, c = imin(C, len - cs);
-      const T* Bm = Bms + ci * C * Cp;
-      const T* Aq = Aqs + ci * C * Cp;
-      const T* SinTc = SinT + ci * Vd * Kp;
-      const T* RTc = RT + ci * Vd * Cp;
+      const int64_t cj = cached ? 0 : ci;  // index in the per-chunk stores
+      const T* Bm = Bms + cj * C * Cp;
+      const T* Aq = Aqs + cj * C * Cp;
+      const T* SinTc = SinT + cj * Vd * Kp;
+      const T* RTc = RT + cj * Vd * Cp;
+      const T* Rc = Rs + cj * C * Vp;
+      if (cached && jh == 0)
+        token_rows(cs, cs + c, ci == 0 ? A0 : sv + (h * r * nch + ci) * p.saved_block + p.saved_aoff);
       build(cs, c, hv, false);
+      if (cached) load_saved(hv, ci, cs, c);
       if (c < Cp) {  // rows past the chunk enter the stacked products as zeros (padding columns stay 0)
         std::memset(dO + c * Vp, 0, size_t((Cp - c) * Vp) * sizeof(T));
         std::memset(dX + c * Vp, 0, size_t((Cp - c) * Vp) * sizeof(T));
       }
-      auto do_row = [&](int64_t t) {
-        return cptr<T>(p.d_o) + b * p.d_o.stride[0] + (t0 + t) * p.d_o.stride[1] + hv * p.d_o.stride[2];
-      };
-      for (int64_t i = 0; i < c; ++i) {
-        std::memcpy(dO + i * Vp, do_row(cs + i), size_t(Vd) * sizeof(T));
-        if (ci > 0) {  // the previous chunk's rows, read next
-          prefetch(do_row(cs - C + i), Vd * int64_t(sizeof(T)));
-          prefetch(s.vrow(b, t0 + cs - C + i, hv), Vd * int64_t(sizeof(T)));
+      // The previous chunk's strided input rows (one page each), processed next; contiguous data (the
+      // per-token arrays, the saved block) is left to the hardware prefetcher (measured faster).
+      if (ci > 0) {
+        const int64_t pc = cs - C, ts = int64_t(sizeof(T));
+        tr.prefetch(do_row(pc), p.d_o.stride[1] * ts, C, Vd * ts);
+        tr.prefetch(s.vrow(b, t0 + pc, hv), p.v.stride[1] * ts, C, Vd * ts);
+        if (diag) tr.prefetch(s.grow(b, t0 + pc, hv), p.g.stride[1] * ts, C, K * ts);
+        if (cached && jh == 0) {  // the rows of the next chunk's token pass
+          tr.prefetch(s.qrow(b, t0 + pc, h), p.q.stride[1] * ts, C, K * ts);
+          tr.prefetch(s.krow(b, t0 + pc, h), p.k.stride[1] * ts, C, K * ts);
         }
+        // Output rows written next (the stores then find their lines owned).
+        if (p.dv.data)
+          tr.prefetch(mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + pc) * p.dv.stride[1] + hv * p.dv.stride[2],
+                      p.dv.stride[1] * ts, C, Vd * ts, true);
+        if (jh == r - 1) {
+          if (p.dq.data)
+            tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + pc) * p.dq.stride[1] + h * p.dq.stride[2],
+                        p.dq.stride[1] * ts, C, K * ts, true);
+          if (p.dk.data)
+            tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + pc) * p.dk.stride[1] + h * p.dk.stride[2],
+                        p.dk.stride[1] * ts, C, K * ts, true);
+        }
+        if (diag && p.dg.data)
+          tr.prefetch(mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + pc) * p.dg.stride[1] + hv * p.dg.stride[2],
+                      p.dg.stride[1] * ts, C, K * ts, true);
       }
+      tr.plan(steps);
+      for (int64_t i = 0; i < c; ++i) std::memcpy(dO + i * Vp, do_row(cs + i), size_t(Vd) * sizeof(T));
       // dR = Aq^T dO + KWd dS_out; dX = (I + Akk)^{-T} dR (online) or dR (offline).
       transpose(c, c, Aq, Cp, AqT, Cp);
-      gemm_upper(c, Vp, AqT, Cp, dO, Vp, dX, Vp, false);
-      gemm(c, Vp, K, KWd, Kp, dS, Vp, dX, Vp, true);
+      gemm_upper(c, Vp, AqT, Cp, dO, Vp, dX, Vp, false, &tr);
+      gemm(c, Vp, K, KWd, Kp, dS, Vp, dX, Vp, true, Tri::none, &tr);
       if (online) {
         make_akk(c, Bm);
         unit_solve(c, Vp, Akk, Cp, dX, Vp, true);
@@ -544,7 +628,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       }
       // dAq = dO R^T (j <= i); dAkk = -dX R^T (j < i): dbeta_i += sum_j dAkk_ij Bm_ij, dB = beta dAkk.
       if (!online) std::memset(dB, 0, size_t(Cp * Cp) * sizeof(T));  // the diagonal-decay path reads it
-      gemm(c, Cp, Vd, dO, Vp, RTc, Cp, dAq, Cp, false, Tri::c_lower);
+      gemm(c, Cp, Vd, dO, Vp, RTc, Cp, dAq, Cp, false, Tri::c_lower, &tr);
       // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
       // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
       for (int64_t i = 0; i < c; ++i) {
@@ -552,7 +636,7 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
         for (int64_t j = i; j < Cp; ++j) dAq[i * Cp + j] = 0;
       }
       if (online) {
-        gemm(c, Cp, Vd, dX, Vp, RTc, Cp, dB, Cp, false, Tri::c_lower);
+        gemm(c, Cp, Vd, dX, Vp, RTc, Cp, dB, Cp, false, Tri::c_lower, &tr);
         for (int64_t i = 0; i < c; ++i) {
           T* db = dB + i * Cp;
           for (int64_t j = 0; j < Cp; ++j) db[j] = j < i ? -db[j] : T(0);
@@ -636,19 +720,30 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
       }
       // Inter-chunk products: dQd = dO S_in^T, dKdn = dX S_in^T (dKd = -dKdn), dKWd = R dS_out^T.
       if (online && c == Cp) {  // dO and dX are adjacent in dOX, dQd and dKdn in dQK: one product
-        gemm(2 * Cp, Kp, Vd, dOX, Vp, SinTc, Kp, dQd, Kp, false);
+        gemm(2 * Cp, Kp, Vd, dOX, Vp, SinTc, Kp, dQd, Kp, false, Tri::none, &tr);
       } else {
         gemm(c, Kp, Vd, dO, Vp, SinTc, Kp, dQd, Kp, false);
         if (online) gemm(c, Kp, Vd, dX, Vp, SinTc, Kp, dKdn, Kp, false);
       }
-      transpose(K, Vd, dS, Vp, dST, Kp);
-      gemm(c, Kp, Vd, Rs + ci * C * Vp, Vp, dST, Kp, dKWd, Kp, false);
+      // With the cache, as dKWd^T = dS_out R^T (R^T is at hand; K x c to transpose instead of K x V).
+      const T* Sin_rows = cached ? sv + (hv * nch + ci) * p.saved_block : nullptr;  // S_in, rows of saved_ld
+      if (cached) {
+        gemm(K, Cp, Vd, dS, Vp, RTc, Cp, dKWdT, Cp, false, Tri::none, &tr);
+        transpose(K, c, dKWdT, Cp, dKWd, Kp);
+      } else {
+        transpose(K, Vd, dS, Vp, dST, Kp);
+        gemm(c, Kp, Vd, Rc, Vp, dST, Kp, dKWd, Kp, false, Tri::none, &tr);
+      }
       // Gate gradient: dgamma_i = Q ⊙ dQ - KW ⊙ dKW + K ⊙ dK over every e^{+-gamma} factor, plus the
       // chunk-total terms (S_out's decay and KWd's e^{gamma_C}) on the last row.
       if (decays) {
         for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0, acc[ch] = 0;
-        for (int64_t e = 0; e < Vd; ++e)
-          for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] += SinTc[e * Kp + ch] * dST[e * Kp + ch];
+        if (cached) {
+          for (int64_t ch = 0; ch < K; ++ch) sumC[ch] = dotv(Sin_rows + ch * p.saved_ld, dS + ch * Vp, Vd);
+        } else {
+          for (int64_t e = 0; e < Vd; ++e)
+            for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] += SinTc[e * Kp + ch] * dST[e * Kp + ch];
+        }
         // The last row's KWd has no gate (e^0): left out here and below.
         for (int64_t j = 0; j + 1 < c; ++j)
           for (int64_t ch = 0; ch < K; ++ch) acc[ch] += KWd[j * Kp + ch] * dKWd[j * Kp + ch];
@@ -712,7 +807,9 @@ void backward_task_t(const KernelParams& p, int64_t task, double* dcenter_out) {
           for (int64_t e = 0; e < Vp; ++e) dS[ch * Vp + e] *= eC[ch];
       if (online)
         for (int64_t i = 0; i < c * Vp; ++i) dX[i] = -dX[i];
-      gemm(K, Vp, online ? C2 : Cp, QKdT, C2, dOX, Vp, dS, Vp, true);
+      gemm(K, Vp, online ? C2 : Cp, QKdT, C2, dOX, Vp, dS, Vp, true, Tri::none, &tr);
+      steps = tr.steps();
+      tr.drain_all();
     }
     if (p.dh0.data) {
       T* dh0 = s.state(p.dh0, si, hv);

@@ -13,6 +13,10 @@
 
 #include "isa.hpp"
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
@@ -128,6 +132,47 @@ inline T squash1(T A, T center, T log_x, T eps) {
   return std::exp(-log_x * (r / (T(1) + std::fabs(r))));
 }
 
+/// True when every lane of the comparison mask `m` is set.
+inline bool all_lanes(VI m) {
+#if defined(__AVX512DQ__)
+  return _mm512_movepi32_mask((__m512i)m) == 0xffff;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps((__m256)m) == 0xff;
+#else
+  bool all = true;
+  for (int l = 0; l < Vec<float>::L; ++l) all = all && m[l] != 0;
+  return all;
+#endif
+}
+
+/// 1 / d for d >= 1: the hardware reciprocal estimate and one Newton step (about 1e-7 relative).
+inline VF recip_v(VF d) {
+#if defined(__AVX512F__)
+  const VF y = (VF)_mm512_maskz_rcp14_ps(__mmask16(0xffff), (__m512)d);  // (rcp14_ps trips -Wmaybe-uninitialized)
+#elif defined(__AVX__)
+  const VF y = (VF)_mm256_rcp_ps((__m256)d);
+#else
+  return 1.0f / d;
+#endif
+#if defined(__AVX__)
+  return y * (2.0f - d * y);
+#endif
+}
+
+/// The squash of SPEC §2 on one vector of statistics A (lanes with A + eps below the normal range, or
+/// NaN, one by one through squash1).
+inline VF squash_v(VF A, float center, float log_x, float eps) {
+  const VF ae = A + eps;
+  if (!all_lanes(ae >= vsplat(1.17549435e-38f))) {
+    VF m;
+    for (int l = 0; l < Vec<float>::L; ++l) m[l] = squash1(A[l], center, log_x, eps);
+    return m;
+  }
+  const VF r = log_v(ae) - center;
+  const VF ar = r < vsplat(0.0f) ? -r : r;
+  return exp_v((-log_x * r) * recip_v(1.0f + ar));
+}
+
 /// a[i] = squash(a[i]) for i < n (n a multiple of the vector length for float).
 template <class T>
 void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
@@ -158,6 +203,137 @@ void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
     for (int64_t i = 0; i < n; ++i) a[i] = squash1(a[i], center, log_x, eps);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Training cache (KernelParams::saved): written once by the forward, read back by the backward much
+// later, so the forward writes it with non-temporal stores (no read for ownership, and the task's
+// working set stays in the caches).
+
+/// *p = x, non-temporal where the ISA has it; p aligned to the vector.
+template <class T>
+inline void stream_store(T* p, typename Vec<T>::type x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4)
+    _mm512_stream_ps(reinterpret_cast<float*>(p), (__m512)x);
+  else
+    _mm512_stream_pd(reinterpret_cast<double*>(p), (__m512d)x);
+#elif defined(__AVX__)
+  if constexpr (sizeof(T) == 4)
+    _mm256_stream_ps(reinterpret_cast<float*>(p), (__m256)x);
+  else
+    _mm256_stream_pd(reinterpret_cast<double*>(p), (__m256d)x);
+#else
+  vstore(p, x);
+#endif
+}
+
+/// Orders the non-temporal stores before the task ends (another thread reads them next).
+inline void stream_fence() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
+/// dst[r * ldd + j] = src[r * lds + j] for r < rows, j < n: n a multiple of the vector length, dst and
+/// ldd aligned to the vector.
+template <class T>
+void stream_rows(T* dst, int64_t ldd, const T* src, int64_t lds, int64_t rows, int64_t n) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += L) stream_store(dst + r * ldd + j, vload(src + r * lds + j));
+}
+
+/// Memory traffic spread over the arithmetic: prefetches of rows that a later step reads and copies
+/// into the training cache (non-temporal) or into outputs, issued a bounded number of bytes at a time
+/// by `step()`, which the main products call once per register block. Issued at once, either stalls
+/// the core on its line fill buffers (each chunk's inputs and cache blocks are ~100-200 KB). Jobs run
+/// in the order they were added; `drain(j)` finishes job j and those before it.
+template <class T>
+class Trickle {
+ public:
+  static constexpr int kMaxJobs = 16;
+  /// Prefetches `rows` rows of `row_bytes` bytes, `stride` bytes apart, into L2; `write`: for writing
+  /// (an output row: the store then finds the line owned instead of waiting for it).
+  int prefetch(const void* base, int64_t stride, int64_t rows, int64_t row_bytes, bool write = false) {
+    if (rows <= 0 || row_bytes <= 0 || n_ == kMaxJobs) return -1;
+    jobs_[n_] = Job{static_cast<const char*>(base), nullptr, stride, 0, rows, row_bytes, 0, 0, false, write};
+    pending_ += rows * round_up(row_bytes, 64);
+    return n_++;
+  }
+  /// dst[r * ldd + j] = src[r * lds + j] for r < rows, j < n (a multiple of the vector length; dst
+  /// and ldd aligned to the vector), with non-temporal stores.
+  int copy(T* dst, int64_t ldd, const T* src, int64_t lds, int64_t rows, int64_t n) {
+    if (rows <= 0 || n <= 0) return -1;
+    if (n_ == kMaxJobs) {  // full: copy now
+      stream_rows(dst, ldd, src, lds, rows, n);
+      return -1;
+    }
+    jobs_[n_] = Job{reinterpret_cast<const char*>(src), dst, lds, ldd, rows, n, 0, 0, true, false};
+    pending_ += rows * n * int64_t(sizeof(T));
+    return n_++;
+  }
+  /// Starts a phase of about `steps` calls of step(): the bytes pending plus `extra` bytes of jobs
+  /// still to come are spread over them.
+  void plan(int64_t steps, int64_t extra = 0) {
+    budget_ = imin(int64_t(8192), round_up((pending_ + extra) / (steps > 0 ? steps : 1) + 1, 64));
+    steps_ = 0;
+  }
+  /// Calls of step() since plan().
+  int64_t steps() const { return steps_; }
+  /// Issues up to the budget's bytes of the pending jobs.
+  void step() {
+    ++steps_;
+    int64_t left = budget_;
+    while (left > 0 && head_ < n_) left -= advance(jobs_[head_], left);
+  }
+  /// Finishes job j (and every job before it); j < 0 does nothing.
+  void drain(int j) {
+    while (j >= 0 && head_ <= j && head_ < n_) advance(jobs_[head_], int64_t(1) << 60);
+  }
+  /// Finishes every job and forgets them.
+  void drain_all() {
+    drain(n_ - 1);
+    head_ = n_ = 0;
+    pending_ = 0;
+  }
+
+ private:
+  struct Job {
+    const char* src;
+    T* dst;
+    int64_t lds, ldd, rows, len;  // prefetch: lds in bytes, len = row bytes; copy: elements
+    int64_t r, off;
+    bool copy, write;
+  };
+  /// Works on the head job for up to `bytes` bytes; returns the bytes done (moves on when it is done).
+  int64_t advance(Job& j, int64_t bytes) {
+    int64_t done = 0;
+    if (j.copy) {
+      constexpr int L = Vec<T>::L;
+      const T* src = reinterpret_cast<const T*>(j.src);
+      while (done < bytes && j.r < j.rows) {
+        stream_store(j.dst + j.r * j.ldd + j.off, vload(src + j.r * j.lds + j.off));
+        done += L * int64_t(sizeof(T));
+        if ((j.off += L) >= j.len) j.off = 0, ++j.r;
+      }
+    } else {
+      while (done < bytes && j.r < j.rows) {
+        if (j.write)
+          __builtin_prefetch(j.src + j.r * j.lds + j.off, 1, 2);
+        else
+          __builtin_prefetch(j.src + j.r * j.lds + j.off, 0, 2);
+        done += 64;
+        if ((j.off += 64) >= j.len) j.off = 0, ++j.r;
+      }
+    }
+    pending_ -= done;
+    if (j.r >= j.rows) ++head_;
+    return done > 0 ? done : 1;
+  }
+  Job jobs_[kMaxJobs];
+  int n_ = 0, head_ = 0;
+  int64_t pending_ = 0, budget_ = 512, steps_ = 0;
+};
 
 // ---------------------------------------------------------------------------------------------
 // GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
@@ -194,15 +370,17 @@ inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, i
 /// block i0.. needs k < i0 + rows); or only C's lower triangle wanted (C[i][j] for j <= i).
 enum class Tri { none, a_lower, c_lower };
 
+/// `tr`, when given, gets one step() per register block (Trickle).
 template <class T>
 void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-          bool acc, Tri tri = Tri::none) {
+          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
     const bool two = j0 + 2 * L <= n;
     for (int64_t i0 = 0; i0 < m; i0 += kMR) {
       const int mr = int(imin(kMR, m - i0));
       if (tri == Tri::c_lower && j0 >= i0 + mr) continue;
+      if (tr) tr->step();
       const int64_t k = tri == Tri::a_lower ? imin(kd, i0 + mr) : kd;
       if (two)
         gemm_rows<T, 2>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
@@ -470,12 +648,13 @@ inline T* mptr(const KView& v) {
 
 /// Loads one q/k row, L2-normalised (SPEC §1: x / sqrt(sum x^2 + 1e-6)) when `norm`, times `mul`.
 /// The sum of squares is accumulated in vector lanes (a tree order, not the sequential one).
-/// A bf16/f16 row is converted to float into `out` first.
+/// A bf16/f16 row is converted to float into `out` first. `rstd_out`, when given, gets the factor
+/// 1 / sqrt(sum x^2 + 1e-6) (1 without the norm).
 template <class T, class In>
-inline void load_row(const In* xin, int64_t K, bool norm, T mul, T* out) {
+inline void load_row(const In* xin, int64_t K, bool norm, T mul, T* out, T* rstd_out = nullptr) {
   if constexpr (!std::is_same_v<In, T>) {
     load_cvt(xin, K, out);
-    return load_row<T, T>(out, K, norm, mul, out);
+    return load_row<T, T>(out, K, norm, mul, out, rstd_out);
   }
   const T* x = reinterpret_cast<const T*>(xin);
   constexpr int L = Vec<T>::L;
@@ -498,6 +677,7 @@ inline void load_row(const In* xin, int64_t K, bool norm, T mul, T* out) {
     for (; i < K; ++i) ss += x[i] * x[i];
     rstd = T(1) / std::sqrt(ss + T(1e-6));
   }
+  if (rstd_out) *rstd_out = rstd;
   const T f = rstd * mul;
   for (int64_t i = 0; i < K; ++i) out[i] = x[i] * f;
 }
@@ -586,10 +766,11 @@ void gate_row(const T* Gam, int64_t i, int64_t Cp, T* out) {
 /// Intra-chunk matrices of scalar decay or none (SPEC §4), rows i < c of Cp columns: Aq[i,j] =
 /// e^{gamma_i - gamma_j} (Qr_i . KW_j) for j <= i and, online, Bm[i,j] = w_i e^{gamma_i - gamma_j}
 /// (Kn_i . KW_j) for j < i, with w = beta (w = 1 when beta is null); zero elsewhere. Kn and Qr have rows
-/// of ldk, KWT is KW^T (K x Cp, columns >= c zero); tmp holds Cp values.
+/// of ldk, KWT is KW^T (K x Cp, columns >= c zero); tmp holds Cp values. `Bu`, when given (online),
+/// gets Bm with w = 1 (the forward's training cache), Bm itself keeping the same rounding.
 template <class T>
 void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, int64_t ldk, const T* KWT, const T* Gam,
-                  const T* beta, bool online, T* Bm, T* Aq, T* tmp) {
+                  const T* beta, bool online, T* Bm, T* Aq, T* tmp, T* Bu = nullptr) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   if (online) gemm(c, Cp, K, Kn, ldk, KWT, Cp, Bm, Cp, false, Tri::c_lower);
@@ -602,7 +783,11 @@ void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, in
     for (int64_t j = 0; j < Cp; j += L) {
       const V jv = iota + T(j), f = vload(tmp + j);
       vstore(Aq + i * Cp + j, jv <= vsplat(T(i)) ? f * vload(Aq + i * Cp + j) : V{});
-      if (online) vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? (w * f) * vload(Bm + i * Cp + j) : V{});
+      if (online) {
+        const V raw = vload(Bm + i * Cp + j);
+        if (Bu) vstore(Bu + i * Cp + j, jv < vsplat(T(i)) ? f * raw : V{});
+        vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? (w * f) * raw : V{});
+      }
     }
   }
 }
@@ -709,11 +894,18 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   // Scratch: the thread's reused block, zeroed once per task (padding lanes and columns stay zero).
   // Stg stages rows for a transpose: the squash M (step 2), then KW ⊙ e^{gamma_C - gamma} (step 3),
   // then the sub-block keys of diagonal decay (step 6). RO is [R; O]: the pseudo-values, then the outputs.
+  // Training cache (KernelParams::saved), when saving: this task's first chunk block; Bu gets the
+  // unscaled key products (Akk / beta), Pk the chunk's packed [Aqk lower | Bu^T upper] block.
+  T* sv = nullptr;
+  if (p.saved && p.save)
+    sv = static_cast<T*>(p.saved) + (p.saved_chunk0[n] * p.HV + hv * ((len + C - 1) / C)) * p.saved_block;
+  const bool save_p = sv && vb == 0;  // the value-column blocks share the intra-chunk matrices
   const int64_t nS = K * Vp, nA = Kp, nKQ = 2 * C * Kp, nStg = C * Kp, nKW = C * Kp, nGam = C * Kp, nBeta = Cp,
                 nAQ = 2 * C * Kp, nKWT = Kp * Cp, nRO = 2 * C * Vp, nP = 2 * C * Cp, nTmp = 2 * (Kp + Cp),
-                nLQ = diag ? 2 * kSub * Kp : 0, nPb = diag ? 2 * kSub * Cp : 0;
+                nLQ = diag ? 2 * kSub * Kp : 0, nPb = diag ? 2 * kSub * Cp : 0,
+                nBu = save_p && s.online ? C * Cp : 0, nPk = save_p ? C * p.saved_pld : 0;
   const int64_t total =
-      nS + nA + nKQ + nStg + nKW + nGam + nBeta + nAQ + 2 * nKWT + nRO + nP + nTmp + nLQ + nPb;
+      nS + nA + nKQ + nStg + nKW + nGam + nBeta + nAQ + 2 * nKWT + nRO + nP + nTmp + nLQ + nPb + nBu + nPk;
   const ScratchLease<T> mem(total);
   std::memset(static_cast<void*>(mem.get()), 0, size_t(total) * sizeof(T));
   T* S = mem.get();
@@ -731,6 +923,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   T* tmp = P + nP;
   T* LQ = tmp + nTmp;
   T* Pb = LQ + nLQ;
+  T* Bu = nBu ? Pb + nPb : nullptr;
+  T* Pk = Pb + nPb + nBu;
 
   if (p.h0.data) {
     const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
@@ -743,17 +937,24 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   }
   const V iota = iota_v<T>();
 
+  // A saving forward writes the training cache from inside the chunk's products (Trickle; `steps` is
+  // the number of step() calls of the previous chunk). The next chunk's input rows are prefetched in
+  // step 1 (measured as fast as spreading them too).
+  Trickle<T> tr;
+  int64_t steps = 160;
   for (int64_t cs = 0; cs < len; cs += C) {
     const int64_t c = imin(C, len - cs);
     T* Kn = KQ;           // read keys, rows [0, c)
     T* Qr = KQ + c * Kp;  // read queries, rows [c, 2c)
     T* R = RO;            // rows [0, c)
     T* O = RO + c * Vp;   // rows [c, 2c)
+    T* blk = sv ? sv + (cs / C) * p.saved_block : nullptr;  // this chunk's block of the training cache
+    const int job_s = blk ? tr.copy(blk + v0, p.saved_ld, S, Vp, K, Vp) : -1;  // S_in, before step 8
+    if (blk) tr.plan(steps, int64_t(sizeof(T)) * c * ((s.online ? Vp : 0) + (save_p ? p.saved_pld : 0)));
+    Trickle<T>* trp = blk ? &tr : nullptr;  // only a saving forward has copies to spread
     // 1. Load and normalise (SPEC §1); R_i = beta_i V_i; chunk-local cumulative gates gamma (SPEC §4).
     for (int64_t i = 0; i < c; ++i) {
       const int64_t t = t0 + cs + i;
-      // Prefetch row i of the next chunk (spread over this loop so the requests never pile up):
-      // it arrives while this chunk's products run.
       if (cs + c + i < len) {
         prefetch(s.qrow(b, t + c, h), K * int64_t(sizeof(In)));
         prefetch(s.krow(b, t + c, h), K * int64_t(sizeof(In)));
@@ -783,21 +984,26 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
     //    lanes of A stay 0).
     const T* KW = Kn;
     if (s.diag_pre) {
+      if (blk && vb == 0) std::memcpy(blk + p.saved_aoff, A, size_t(Kp) * sizeof(T));  // A entering the chunk
+      // One pass per token: the statistics, their squash M and the preconditioned key (or query).
+      T* dst = s.atk ? KWb : Qr;
+      const T* src = s.atk ? Kn : Qr;
       for (int64_t i = 0; i < c; ++i) {
         const int64_t t = t0 + cs + i;
         const T a = std::exp(s.gp(b, t, h)), bb = s.bp(b, t, h);
         const T* kn = Kn + i * Kp;
-        T* m = Stg + i * Kp;
         for (int64_t ch = 0; ch < Kp; ch += L) {
           const V k = vload(kn + ch), x = a * vload(A + ch) + bb * k * k;
           vstore(A + ch, x);
-          vstore(m + ch, x);
+          V m;
+          if constexpr (sizeof(T) == 4) {
+            m = squash_v(x, ctr, s.log_x, s.eps);
+          } else {
+            for (int l = 0; l < L; ++l) m[l] = squash1(x[l], ctr, s.log_x, s.eps);
+          }
+          vstore(dst + i * Kp + ch, vload(src + i * Kp + ch) * m);
         }
       }
-      squash_inplace(Stg, c * Kp, ctr, s.log_x, s.eps);
-      T* dst = s.atk ? KWb : Qr;
-      const T* src = s.atk ? Kn : Qr;
-      for (int64_t i = 0; i < c * Kp; i += L) vstore(dst + i, vload(src + i) * vload(Stg + i));
       if (s.atk) KW = KWb;
     }
     // 3. Decayed operands: Kd_i = -beta_i e^{gamma_i} ⊙ Kn_i (negated: step 4 subtracts by adding),
@@ -851,8 +1057,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
         for (int64_t j = c; j < Cp; ++j) KWdT[ch * Cp + j] = 0;
     // 4. Inter-chunk products with S_in: R += Kd S_in (online: R = beta ⊙ V - beta e^gamma K S_in, the
     //    right-hand side of (I + Akk) R = X), O = Qd S_in.
-    if (s.online) gemm(c, Vp, K, Kd, Kp, S, Vp, R, Vp, true);
-    gemm(c, Vp, K, Qd, Kp, S, Vp, O, Vp, false);
+    if (s.online) gemm(c, Vp, K, Kd, Kp, S, Vp, R, Vp, true, Tri::none, trp);
+    gemm(c, Vp, K, Qd, Kp, S, Vp, O, Vp, false, Tri::none, trp);
     // 5. Intra-chunk matrices: Akk[i,j] = beta_i sum_c Kn_ic KW_jc e^{gamma_ic - gamma_jc} (j < i),
     //    Aqk[i,j] = sum_c Qr_ic KW_jc e^{gamma_ic - gamma_jc} (j <= i); differences inside exp (SPEC §4).
     T* Akk = P;
@@ -896,6 +1102,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
             const V pk = j < jn ? vload(Pb + i * Cp + j) : V{}, pq = j < jn ? vload(Pb + (nb + i) * Cp + j) : V{};
             vstore(Akk + row * Cp + j, (jv < rv) & (jv < jnv) ? bi * pk : V{});
             vstore(Aqk + row * Cp + j, (jv <= rv) & (jv < jnv) ? pq : V{});
+            if (Bu) vstore(Bu + row * Cp + j, (jv < rv) & (jv < jnv) ? pk : V{});
           }
         }
         if (fact) continue;
@@ -918,18 +1125,32 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
             }
             Aqk[i * Cp + j] = sq;
             if (j < i) Akk[i * Cp + j] = Bt[i] * sk;
+            if (Bu && j < i) Bu[i * Cp + j] = sk;
           }
         }
       }
     } else {
-      intra_scalar(c, Cp, K, Kn, Qr, Kp, KWT, Gam, Bt, s.online, Akk, Aqk, tmp);
+      intra_scalar(c, Cp, K, Kn, Qr, Kp, KWT, Gam, Bt, s.online, Akk, Aqk, tmp, Bu);
+    }
+    if (blk && save_p) {
+      // P[i][j] = Aqk[i][j] (j <= i), Bu[j][i] (j > i): Bu^T, then the lower triangle from Aqk.
+      const int64_t pld = p.saved_pld;
+      if (Bu) transpose(c, c, Bu, Cp, Pk, pld);
+      for (int64_t i = 0; i < c; ++i)
+        for (int64_t j = 0; j < Cp; j += L) {
+          const V jv = iota + T(j);
+          vstore(Pk + i * pld + j, jv <= vsplat(T(i)) ? vload(Aqk + i * Cp + j) : (Bu ? vload(Pk + i * pld + j) : V{}));
+        }
+      tr.copy(blk + K * p.saved_ld + (s.online ? C * p.saved_ld : 0), pld, Pk, pld, c, pld);
     }
     // 6. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
     if (s.online) unit_solve(c, Vp, Akk, Cp, R, Vp, false);
+    if (blk && s.online) tr.copy(blk + K * p.saved_ld + v0, p.saved_ld, R, Vp, c, Vp);  // R
     // 7. O = Qd S_in + (Aqk ⊙ causal) R.
-    gemm(c, Vp, c, Aqk, Cp, R, Vp, O, Vp, true, Tri::a_lower);
+    gemm(c, Vp, c, Aqk, Cp, R, Vp, O, Vp, true, Tri::a_lower, trp);
     for (int64_t i = 0; i < c; ++i) store_cvt(O + i * Vp, Vd, s.orow(b, t0 + cs + i, hv) + v0);
     // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
+    tr.drain(job_s);  // S_in is in the cache before S changes
     if (diag) {
       for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(gl + ch));
       exp_inplace(tmp, Kp);
@@ -941,9 +1162,14 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       const V f = vsplat(std::exp(Gam[c - 1]));
       for (int64_t i = 0; i < K * Vp; i += L) vstore(S + i, f * vload(S + i));
     }
-    gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true);
+    gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true, Tri::none, trp);
+    if (blk) {
+      steps = tr.steps();
+      tr.drain_all();
+    }
   }
 
+  if (sv) stream_fence();
   if (p.hT.data) {
     T* hT = s.state(p.hT, si, hv) + v0;
     for (int64_t c = 0; c < K; ++c) std::memcpy(hT + c * p.hT.stride[2], S + c * Vp, size_t(Vd) * sizeof(T));

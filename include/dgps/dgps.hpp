@@ -13,6 +13,7 @@
 #include "dgps/recurrence.hpp"
 #include "dgps/reference/backend.hpp"
 #include "dgps/tensor.hpp"
+#include "dgps/training_cache.hpp"
 #include "dgps/types.hpp"
 #include "dgps/version.hpp"
 #if defined(DGPS_HAS_CUDA)
@@ -38,17 +39,24 @@ inline namespace DGPS_CUDA_ABI {  // forward, backward and decode branch on DGPS
 ///
 /// T is float, double, dgps::bf16 or dgps::f16 (the last two with float32 states and compute).
 /// Throws dgps::Error (and writes nothing) on any malformed input; see detail/check.hpp for the
-/// rules. Returns which implementation ran.
+/// rules. Returns which implementation ran. With `out.save_for_backward(cache)` the CPU chunkwise
+/// forward fills the training cache for the backward; every other path leaves it empty
+/// (dgps/training_cache.hpp).
 template <class R, class T>
 RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
-  if (detail::wants_cuda(opt.backend, in.q.data)) return detail::cuda_forward<R>(in, out, opt);
+  if (detail::wants_cuda(opt.backend, in.q.data)) {
+    const RunInfo ran = detail::cuda_forward<R>(in, out, opt);
+    if (out.cache) detail::TrainingCacheAccess::set_filled(*out.cache, false);  // the CUDA path saves nothing
+    return ran;
+  }
 #endif
   const detail::Problem<T> p = detail::check_forward<R>(in, out, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
   detail::check_supported<R>(info.backend, opt.algorithm);
   if (info.backend == Backend::reference) {
     reference::forward<R, T, double>(p, p.threads);
+    if (p.save_to) detail::TrainingCacheAccess::set_filled(*p.save_to, false);
     info.impl = "reference/recurrent";
     info.algorithm = Algorithm::recurrent;
   } else {
@@ -62,14 +70,23 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
 
 /// Backward pass of model R: the gradients of `loss = sum(o*do) + sum(hT*dhT) + sum(aT*daT)` with
 /// respect to every input whose gradient view is given in `grads` (SPEC §3.8). The forward is
-/// recomputed chunk by chunk (`opt.chunk_size` tokens; memory O(T / C * K * V + T * (K + V)) per head).
+/// recomputed chunk by chunk (`opt.chunk_size` tokens; memory O(T / C * K * V + T * (K + V)) per head),
+/// or, on the CPU chunkwise path, read from the training cache `gin.use_saved(cache)` that the forward
+/// filled (`Outputs::save_for_backward`; a filled cache of another call throws dgps::Error, an empty
+/// one is ignored; dgps/training_cache.hpp).
 /// For the exact preconditioners `da0` is the raw gradient of the non-symmetric update as written
 /// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0. Float32 device
 /// pointers (or `backend = cuda`) run dgps::cuda::backward, asynchronously on the default stream.
 template <class R, class T>
 RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
-  if (detail::wants_cuda(opt.backend, in.q.data)) return detail::cuda_backward<R>(in, gin, grads, opt);
+  if (detail::wants_cuda(opt.backend, in.q.data)) {
+    // Only a CPU forward (of host tensors) fills a cache: a filled one belongs to another call.
+    if (gin.cache && gin.cache->filled())
+      throw Error("training cache: it was filled by a CPU forward of host tensors; the CUDA backward's inputs are "
+                  "device tensors (pass no cache, or an empty one)");
+    return detail::cuda_backward<R>(in, gin, grads, opt);
+  }
 #endif
   const detail::Problem<T> p = detail::check_backward<R>(in, gin, grads, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
@@ -85,6 +102,20 @@ RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& gra
   }
   detail::report("backward", info);
   return info;
+}
+
+/// Bytes that a forward of model R on `in` with `opt` saves into a TrainingCache on the CPU chunkwise
+/// path (0 for a model without CPU chunkwise kernels: its forward saves nothing). Validates `in` like
+/// forward does (throws dgps::Error on malformed inputs).
+template <class R, class T>
+size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {}) {
+  if constexpr (!cpu::has_chunkwise<R>()) {
+    (void)detail::check_inputs<R>(in, opt);
+    return 0;
+  } else {
+    const detail::Problem<T> p = detail::check_inputs<R>(in, opt);
+    return size_t(detail::training_layout(p).elements(p.HV)) * sizeof(state_t<T>);
+  }
 }
 
 /// Decodes `tokens.shape.time` new tokens (usually 1 to 4) for each of `tokens.shape.batch`

@@ -11,6 +11,8 @@
 
 namespace dgps {
 
+class TrainingCache;  // dgps/training_cache.hpp
+
 /// Where a call runs. `automatic` picks the fastest available for host data (the CPU backend);
 /// the environment variable DGPS_BACKEND (reference|cpu|cuda) overrides `automatic` only.
 enum class Backend { automatic, reference, cpu, cuda };
@@ -252,14 +254,20 @@ Inputs<T> inputs(const Shape& shape, In<T> q, In<T> k, In<T> v) {
   return in;
 }
 
-/// The outputs of a forward call: `o` [B, T, HV, V] (required), optional final states.
+/// The outputs of a forward call: `o` [B, T, HV, V] (required), optional final states, and an
+/// optional training cache to fill for the backward.
 template <class T>
 struct Outputs {
   using S = state_t<T>;
   TensorView<T> o;
   TensorView<S> hT, aT;
+  TrainingCache* cache = nullptr;  ///< filled by the forward when given (dgps/training_cache.hpp)
   /// Requests the final states `hT` [N, HV, K, V] and (with a preconditioner) `aT`.
   Outputs& final_state(Out<S> hT_, Out<S> aT_ = nullptr) { hT = hT_.view; aT = aT_.view; return *this; }
+  /// Asks the forward to save into `c` what the backward would otherwise recompute (a training
+  /// forward; see dgps::TrainingCache for which paths save and the memory it takes). The cache must
+  /// outlive the call; its previous contents are replaced.
+  Outputs& save_for_backward(TrainingCache& c) { cache = &c; return *this; }
 };
 
 /// Starts an Outputs with `o`.
@@ -270,18 +278,28 @@ Outputs<T> outputs(Out<T> o) {
   return out;
 }
 
-/// The cotangents of a backward call: `do` [B, T, HV, V] (required), optional `dhT`, `daT`.
+/// The cotangents of a backward call: `do` [B, T, HV, V] (required), optional `dhT`, `daT`, and an
+/// optional training cache filled by the matching forward.
 template <class T>
 struct GradsIn {
   using S = state_t<T>;
   TensorView<const T> d_o;
   TensorView<const S> dhT, daT;
+  const TrainingCache* cache = nullptr;  ///< read by the backward when given and filled
+  /// Lets the backward read what the forward saved into `c` (Outputs::save_for_backward) instead of
+  /// recomputing it. A filled cache from a different call (model, shape, options, input tensors) makes
+  /// the backward throw dgps::Error; an empty one is ignored.
+  GradsIn& use_saved(const TrainingCache& c) { cache = &c; return *this; }
 };
 
 /// Builds GradsIn from `do` and optional final-state cotangents.
 template <class T>
 GradsIn<T> grads_in(In<T> d_o, In<state_t<T>> dhT = nullptr, In<state_t<T>> daT = nullptr) {
-  return {d_o.view, dhT.view, daT.view};
+  GradsIn<T> g;
+  g.d_o = d_o.view;
+  g.dhT = dhT.view;
+  g.daT = daT.view;
+  return g;
 }
 
 /// Where a backward call writes gradients. Each one is optional; it must be absent when its input

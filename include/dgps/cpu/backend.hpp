@@ -6,8 +6,10 @@
 
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "dgps/cpu/kernels.hpp"
+#include "dgps/detail/check.hpp"
 #include "dgps/detail/half.hpp"
 #include "dgps/detail/problem.hpp"
 #include "dgps/reference/backend.hpp"
@@ -43,6 +45,20 @@ kernels::KView kview(const TensorView<V>& t) {
   return k;
 }
 
+/// Points the kernel params at the buffer and layout of a training cache, to write (`write`, a
+/// forward) or read (a backward).
+inline void set_saved(kernels::KernelParams& k, const TrainingCache& c, bool write) {
+  using A = dgps::detail::TrainingCacheAccess;
+  const dgps::detail::TrainingLayout& l = A::layout(c);
+  k.saved = A::data(c);
+  k.save = write;
+  k.saved_chunk0 = l.chunk0.data();
+  k.saved_ld = l.ld;
+  k.saved_pld = l.pld;
+  k.saved_aoff = l.aoff;
+  k.saved_block = l.block;
+}
+
 /// The kernel params of a validated problem: float or double (states share the input type), or
 /// bf16 / f16 inputs and outputs with float states.
 template <class T>
@@ -69,8 +85,10 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
   k.l2norm = p.l2norm;
   k.threads = p.threads;
   k.chunk = p.chunk;
+  if (p.saved) set_saved(k, *p.saved, false);
   return k;
 }
+
 
 }  // namespace detail_cpu
 
@@ -79,18 +97,34 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
 /// length, from 1 token (about 2x, B = 8, H = 16, K = V = 128) to 32 tokens (about 17x) and beyond
 /// (bench/README.md). Otherwise (exact preconditioners, or `recurrent`) the recurrence runs token by
 /// token (the reference code with float accumulation).
+/// With a training cache (p.save_to) the chunkwise kernels fill it; the recurrence leaves it empty.
 template <class R, class T>
 Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
+  using A = dgps::detail::TrainingCacheAccess;
   const bool chunk = alg == Algorithm::chunkwise || (alg == Algorithm::automatic && has_chunkwise<R>());
-  if (chunk) return {Algorithm::chunkwise, kernels::chunkwise_forward(detail_cpu::params(p))};
+  if (chunk) {
+    kernels::KernelParams k = detail_cpu::params(p);
+    if (p.save_to) {
+      dgps::detail::TrainingLayout layout = dgps::detail::training_layout(p);
+      const size_t bytes = size_t(layout.elements(p.HV)) * sizeof(state_t<T>);
+      A::prepare(*p.save_to, dgps::detail::training_key(p), std::move(layout), bytes);
+      detail_cpu::set_saved(k, *p.save_to, true);
+    }
+    const char* impl = kernels::chunkwise_forward(k);
+    if (p.save_to) A::set_filled(*p.save_to, true);
+    return {Algorithm::chunkwise, impl};
+  }
   reference::forward<R, T, state_t<T>>(p, p.threads);
+  if (p.save_to) A::set_filled(*p.save_to, false);
   return {Algorithm::recurrent, "cpu/recurrent"};
 }
 
 /// Backward on the CPU. `chunkwise` forces the chunkwise backward kernels (SPEC §4, R must be
 /// covered); `automatic` picks them for every covered model (bench/README.md: far faster than the
-/// recurrence at every length). Otherwise (exact preconditioners, or `recurrent`) the recurrence
-/// runs token by token with checkpoints every p.chunk tokens (float accumulation).
+/// recurrence at every length). The chunkwise kernels read a training cache (p.saved) instead of
+/// recomputing the chunks' states and pseudo-values; the recurrence ignores it. Otherwise (exact
+/// preconditioners, or `recurrent`) the recurrence runs token by token with checkpoints every p.chunk
+/// tokens (float accumulation).
 template <class R, class T>
 Ran backward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   const bool chunk = alg == Algorithm::chunkwise || (alg == Algorithm::automatic && has_chunkwise<R>());

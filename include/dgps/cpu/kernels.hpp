@@ -41,6 +41,18 @@ struct KernelParams {
   bool l2norm = true;
   int threads = 0;     ///< 0 = all available
   int64_t chunk = 64;  ///< chunk length C of the chunkwise algorithm
+  /// Training cache (dgps::TrainingCache) of the chunkwise kernels, or null: written by a forward when
+  /// `save`, read by a backward otherwise. Elements of the state type; for sequence n, value head hv
+  /// and chunk ci, one block of `saved_block` elements at (saved_chunk0[n] * HV + hv * chunks(n) + ci)
+  /// * saved_block, chunks(n) = ceil(len_n / chunk): S_in (K rows of `saved_ld`), then for the Online
+  /// solve R (chunk rows of `saved_ld`), then P (chunk rows of `saved_pld`; P[i][j] = Aqk[i][j] for
+  /// j <= i, the unscaled key product Akk[j][i] / beta_j for j > i), then with a diagonal
+  /// preconditioner the statistics A entering the chunk (K values at `saved_aoff`). Rows are 64-byte
+  /// aligned.
+  void* saved = nullptr;
+  bool save = false;
+  const int64_t* saved_chunk0 = nullptr;  ///< [N + 1] prefix sums of chunks(n)
+  int64_t saved_ld = 0, saved_pld = 0, saved_aoff = 0, saved_block = 0;
 
   /// First token and length of sequence n; its batch row; its state index.
   int64_t seq_begin(int64_t n) const { return cu_seqlens ? cu_seqlens[n] : 0; }
@@ -59,13 +71,16 @@ constexpr bool chunkwise_covers(const ModelSpec& spec) {
 /// Name of the instruction set the kernels use in this process: "avx512", "avx2" or "generic".
 const char* isa_name();
 
-/// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given.
-/// Parallel over (sequence, value head) on `threads` threads. Returns "cpu/chunkwise/<isa>".
+/// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given,
+/// and the training cache when `saved` and `save` are set. Parallel over (sequence, value head) on
+/// `threads` threads. Returns "cpu/chunkwise/<isa>".
 const char* chunkwise_forward(const KernelParams& p);
 
 /// Chunkwise backward (SPEC §4, paper App. D) of a call `chunkwise_covers` accepts: writes every
 /// gradient whose view is given (dq .. dcenter, dh0, da0) for the cotangents d_o and, when given,
-/// dhT/daT. Parallel over (sequence, key head); dcenter is reduced over sequences in a fixed order.
+/// dhT/daT. With `saved` (and `save` false) it reads each chunk's S_in, R and intra-chunk matrices from
+/// the training cache instead of recomputing them with a forward sweep. Parallel over (sequence, key
+/// head); dcenter is reduced over sequences in a fixed order.
 /// Returns "cpu/chunkwise/<isa>".
 const char* chunkwise_backward(const KernelParams& p);
 

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
+#include "dgps/training_cache.hpp"
 #include "dgps/types.hpp"
 
 namespace dgps::detail {
@@ -181,6 +183,36 @@ TensorView<V> resolve_precond_state(const char* name, TensorView<V> t, int64_t N
   }
 }
 
+/// The training-cache key of a validated problem (dgps/training_cache.hpp): what the saved activations
+/// depend on.
+template <class T>
+TrainingKey training_key(const Problem<T>& p) {
+  TrainingKey k;
+  k.spec = p.spec;
+  k.dtype = std::is_same_v<T, double> ? "float64"
+            : std::is_same_v<T, bf16> ? "bfloat16"
+            : std::is_same_v<T, f16>  ? "float16"
+                                      : "float32";
+  k.B = p.B, k.T = p.T_, k.H = p.H, k.HV = p.HV, k.K = p.K, k.V = p.V, k.N = p.N, k.chunk = p.chunk;
+  k.scale = p.scale, k.x = p.x, k.eps = p.eps, k.lambda = p.lambda, k.l2norm = p.l2norm;
+  if (p.cu_seqlens) k.cu_seqlens.assign(p.cu_seqlens, p.cu_seqlens + p.N + 1);
+  auto put = [&](int i, const auto& v) {
+    k.t[i].data = v.data;
+    for (int d = 0; d < 4 && d < v.rank; ++d) k.t[i].stride[d] = v.stride[d];
+  };
+  put(0, p.q), put(1, p.k), put(2, p.v), put(3, p.g), put(4, p.beta), put(5, p.g_p), put(6, p.beta_p);
+  put(7, p.center), put(8, p.h0), put(9, p.a0);
+  return k;
+}
+
+/// Where the CPU chunkwise kernels put the saved activations of a validated problem.
+template <class T>
+TrainingLayout training_layout(const Problem<T>& p) {
+  const bool diag_pre = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
+  return TrainingLayout::of(p.HV, p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre,
+                            sizeof(state_t<T>), p.N, p.T_, p.cu_seqlens);
+}
+
 /// Validates a forward call.
 template <class R, class T>
 Problem<T> check_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt) {
@@ -188,7 +220,19 @@ Problem<T> check_forward(const Inputs<T>& in, const Outputs<T>& out, const Optio
   p.o = resolve("o", out.o, {p.B, p.T_, p.HV, p.V}, true, "as the output");
   p.hT = resolve("hT", out.hT, {p.N, p.HV, p.K, p.V}, false, "");
   p.aT = resolve_precond_state<R, T>("aT", out.aT, p.N, p.H, p.K, false);
+  p.save_to = out.cache;
   return p;
+}
+
+/// Checks a backward's training cache against the call (an empty cache is ignored): sets p.saved, or
+/// throws dgps::Error naming the first difference from the forward that filled it.
+template <class T>
+void check_training_cache(Problem<T>& p, const TrainingCache* cache) {
+  p.saved = nullptr;
+  if (!cache || !cache->filled()) return;
+  const std::string diff = TrainingKey::difference(TrainingCacheAccess::key(*cache), training_key(p));
+  if (!diff.empty()) throw Error("training cache: " + diff);
+  p.saved = cache;
 }
 
 /// Validates a backward call (the gradients requested must belong to inputs that are present).
@@ -214,6 +258,7 @@ Problem<T> check_backward(const Inputs<T>& in, const GradsIn<T>& gi, const Grads
   // dh0/da0 are the gradients of the initial states, also when h0/a0 were not given (zeros / defaults).
   p.dh0 = resolve("dh0", go.dh0, {N, HV, K, V}, false, "");
   p.da0 = resolve_precond_state<R, T>("da0", go.da0, N, H, K, false);
+  check_training_cache(p, gi.cache);
   return p;
 }
 

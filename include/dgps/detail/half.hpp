@@ -77,6 +77,7 @@ auto with_float_copy(const Problem<T>& p, F&& fn) {
   f.l2norm = p.l2norm;
   f.threads = p.threads;
   f.chunk = p.chunk;
+  f.saved = p.saved;  // saved by the forward in float (the kernels compute half inputs in float)
   std::vector<float> in[9], gr[8];
   f.q = float_copy(p.q, in[0]);
   f.k = float_copy(p.k, in[1]);

@@ -38,6 +38,11 @@ struct Problem {
   int threads = 0;
   int64_t chunk = 64;
 
+  // Training cache (dgps/training_cache.hpp): a forward's cache to fill, or a backward's filled cache
+  // (already checked against this call), or null.
+  TrainingCache* save_to = nullptr;
+  const TrainingCache* saved = nullptr;
+
   /// First token and length of sequence n; the batch row it lives in.
   int64_t seq_begin(int64_t n) const { return cu_seqlens ? cu_seqlens[n] : 0; }
   int64_t seq_len(int64_t n) const { return cu_seqlens ? cu_seqlens[n + 1] - cu_seqlens[n] : T_; }

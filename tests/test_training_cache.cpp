@@ -1,0 +1,383 @@
+/// @brief dgps::TrainingCache: a training forward saves S_in, R and the intra-chunk matrices; the CPU
+/// chunkwise backward reads them instead of recomputing.
+///
+/// Tolerances: gradients with the cache against gradients without, max|diff| / max|ref| < 2e-5 (float32;
+/// the saved and the recomputed chunk states round differently; measured up to 7e-6) and < 1e-12
+/// (float64); both against the float64 reference: < 1e-4 (float32) and < 1e-9 (float64), as the other
+/// backward tests.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <dgps/cpu/kernels.hpp>
+
+#include "support.hpp"
+
+using namespace dgps_test;
+
+namespace {
+
+/// CPU backend, chunkwise algorithm, chunk size `chunk`, two threads.
+dgps::Options chunkwise(int64_t chunk) {
+  dgps::Options o = on(dgps::Backend::cpu, 2);
+  o.algorithm = dgps::Algorithm::chunkwise;
+  o.chunk_size = chunk;
+  return o;
+}
+
+/// Tensors of a case and its gradient buffers, owned together so that a forward and a backward see the
+/// same input addresses (as the cache requires).
+template <class T>
+struct Bench {
+  using S = dgps::state_t<T>;
+  const Case& c;
+  CaseTensors<T> ct;
+  std::map<std::string, std::vector<T>> gt;
+  std::map<std::string, std::vector<S>> gs;
+  dgps::Grads<T> g;
+  std::vector<T> o;
+  std::vector<S> hT, aT;
+
+  explicit Bench(const Case& cc) : c(cc), ct(cc) {
+    auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
+      if (!c.has(name)) return;
+      auto& buf = gt["d" + name];
+      buf.assign(c.arr.at(name).size(), T(NAN));
+      dst = tv<T>(buf, c.shapes.at(name));
+    };
+    want("q", g.dq), want("k", g.dk), want("v", g.dv), want("g", g.dg), want("beta", g.dbeta);
+    want("g_p", g.dg_p), want("beta_p", g.dbeta_p), want("center", g.dcenter);
+    const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
+    gs["dh0"].assign(size_t(c.N * HV * K * V), S(NAN));
+    g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
+    if (has_precond_state(c.spec)) {
+      const auto ad = precond_state_dims(c.spec, c.N, H, K);
+      gs["da0"].assign(size_t(product(ad)), S(NAN));
+      g.da0 = tv<S>(gs["da0"], ad);
+    }
+    o.assign(std::max<size_t>(size_t(c.shape.batch * c.shape.time * HV * V), 1), T(0));
+    hT.assign(size_t(c.N * HV * K * V), S(0));
+    const auto adims = precond_state_dims(c.spec, c.N, H, K);
+    aT.assign(size_t(adims.empty() ? 0 : product(adims)), S(0));
+  }
+  dgps::Inputs<T> in() const { return ct.inputs(c); }
+  /// Forward of the case, saving into `cache` when given.
+  dgps::RunInfo forward(const dgps::Options& opt, dgps::TrainingCache* cache) {
+    auto out = dgps::outputs<T>(o.data()).final_state(hT.data(), aT.empty() ? nullptr : aT.data());
+    if (cache) out.save_for_backward(*cache);
+    return dgps::dynamic::forward(c.spec, in(), out, opt);
+  }
+  /// Backward of the case (cotangents do, dhT, daT), reading `cache` when given; every gradient.
+  Arrays backward(const dgps::Options& opt, const dgps::TrainingCache* cache) {
+    auto gi = dgps::grads_in<T>(ct.p("do"), ct.ps("dhT"), ct.ps("daT"));
+    if (cache) gi.use_saved(*cache);
+    dgps::dynamic::backward(c.spec, in(), gi, g, opt);
+    Arrays r;
+    for (auto& [n, v] : gt) r[n] = std::vector<double>(v.begin(), v.end());
+    for (auto& [n, v] : gs) r[n] = std::vector<double>(v.begin(), v.end());
+    return r;
+  }
+};
+
+/// Gradients of case c with input type T: without a cache, and with a cache filled by the forward.
+/// Worst relative differences seen by check_cached: cached vs plain and cached vs reference, per type.
+double g_worst_same[2] = {0, 0}, g_worst_ref[2] = {0, 0};
+
+template <class T>
+void check_cached(const Case& c, const dgps::Options& opt, double tol_same, double tol_ref, const std::string& what) {
+  Bench<T> bench(c);
+  const Arrays plain = bench.backward(opt, nullptr);
+  dgps::TrainingCache cache;
+  bench.forward(opt, &cache);
+  REQUIRE(cache.filled());
+  CHECK(cache.bytes() > 0);
+  const Arrays cached = bench.backward(opt, &cache);
+  const Arrays ref = run_backward<double>(c, on(dgps::Backend::reference));
+  std::string w1, w2;
+  const double e_same = worst(cached, plain, &w1), e_ref = worst(cached, ref, &w2);
+  INFO(what << ": cached vs plain " << e_same << " (" << w1 << "), cached vs reference " << e_ref << " (" << w2 << ")");
+  CHECK(e_same < tol_same);
+  CHECK(e_ref < tol_ref);
+  const int i = std::is_same_v<T, double> ? 1 : 0;
+  g_worst_same[i] = std::max(g_worst_same[i], e_same);
+  g_worst_ref[i] = std::max(g_worst_ref[i], e_ref);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "training cache: gradients with the cache equal those without, named models, GVA, varlen, h0/dhT, f32 and f64") {
+  struct Shape {
+    int64_t H, HV, T, K, V, chunk;
+    std::vector<int64_t> cu;
+  };
+  const Shape shapes[] = {
+      {2, 4, 150, 32, 24, 64, {0, 20, 20, 150}},  // GVA, varlen with an empty sequence, partial chunks
+      {1, 1, 200, 16, 16, 16, {}},                // several full chunks and a partial one
+      {2, 2, 70, 128, 128, 64, {0, 5, 70}},       // K = V = 128, a sequence shorter than the chunk
+      {1, 1, 100, 16, 64, 16, {0, 100}},          // one (sequence, head) pair: value columns split over threads
+  };
+  uint64_t seed = 4100;
+  for (const char* model : {"gdn", "pgdn", "kda", "pkda", "dn", "mamba2", "pmamba2", "la", "gla", "pdn"})
+    for (const auto& sh : shapes) {
+      Gen gen;
+      gen.h0 = gen.a0 = gen.final_grads = true;
+      const int64_t B = sh.cu.empty() ? 2 : 1;
+      const Case c =
+          random_case(dgps::model_by_name(model),
+                      {.batch = B, .time = sh.T, .heads = sh.H, .v_heads = sh.HV, .key_dim = sh.K, .value_dim = sh.V},
+                      sh.cu, ++seed, gen);
+      const std::string what = std::string(model) + " T " + std::to_string(sh.T) + " K " + std::to_string(sh.K);
+      check_cached<float>(c, chunkwise(sh.chunk), 2e-5, 1e-4, what + " f32");
+      check_cached<double>(c, chunkwise(sh.chunk), 1e-12, 1e-9, what + " f64");
+    }
+  MESSAGE("cached vs plain: f32 " << g_worst_same[0] << ", f64 " << g_worst_same[1] << "; cached vs reference: f32 "
+                                  << g_worst_ref[0] << ", f64 " << g_worst_ref[1]);
+}
+
+TEST_CASE("training cache: the backward reads it (a zeroed cache changes the gradients)") {
+  const Case c =
+      random_case(dgps::model_by_name("gdn"),
+                  {.batch = 1, .time = 64, .heads = 1, .v_heads = 1, .key_dim = 16, .value_dim = 16}, {}, 71);
+  Bench<double> bench(c);
+  const dgps::Options opt = chunkwise(16);
+  const Arrays plain = bench.backward(opt, nullptr);
+  dgps::TrainingCache cache;
+  bench.forward(opt, &cache);
+  CHECK(worst(bench.backward(opt, &cache), plain) < 1e-12);
+  std::memset(dgps::detail::TrainingCacheAccess::data(cache), 0, cache.bytes());
+  CHECK(worst(bench.backward(opt, &cache), plain) > 1e-2);
+}
+
+TEST_CASE("training cache: every covered combination, without h0 and final cotangents, odd chunk, f64") {
+  uint64_t seed = 4300;
+  for (const auto& spec : covered_specs()) {
+    Gen gen;
+    gen.h0 = gen.a0 = gen.final_grads = false;
+    const Case c = random_case(spec, {.batch = 1, .time = 45, .heads = 2, .v_heads = 4, .key_dim = 16, .value_dim = 8},
+                               {0, 17, 45}, ++seed, gen);
+    check_cached<double>(c, chunkwise(7), 1e-12, 1e-9, dgps::to_string(spec));
+  }
+}
+
+TEST_CASE("training cache: strong decay, zero keys, forward and backward on different ISAs") {
+  Gen gen;
+  gen.g_lo = gen.g_hi = -50;
+  gen.zero_key_tokens = {0, 3, 64, 65, 99};
+  for (const char* model : {"kda", "pkda", "pgdn"}) {
+    const Case c =
+        random_case(dgps::model_by_name(model),
+                    {.batch = 1, .time = 100, .heads = 2, .v_heads = 2, .key_dim = 32, .value_dim = 32}, {}, 7, gen);
+    Bench<float> bench(c);
+    const dgps::Options opt = chunkwise(64);
+    const Arrays plain = bench.backward(opt, nullptr);
+    const Arrays ref = run_backward<double>(c, on(dgps::Backend::reference));
+    for (const char* fwd_isa : {"generic", "avx2", "avx512"})
+      for (const char* bwd_isa : {"generic", "avx512"}) {
+        dgps::TrainingCache cache;
+        {
+          IsaCap cap(fwd_isa);
+          bench.forward(opt, &cache);
+        }
+        IsaCap cap(bwd_isa);
+        const Arrays cached = bench.backward(opt, &cache);
+        INFO(model << " forward " << fwd_isa << " backward " << bwd_isa);
+        for (const auto& [n, v] : cached) CHECK(all_finite(v));
+        CHECK(worst(cached, plain) < 2e-5);
+        CHECK(worst(cached, ref) < 1e-4);
+      }
+  }
+}
+
+TEST_CASE("training cache: bf16 inputs (forward and backward through the compile-time API)") {
+  const Case c =
+      random_case(dgps::model_by_name("pgdn"),
+                  {.batch = 1, .time = 90, .heads = 2, .v_heads = 2, .key_dim = 32, .value_dim = 32}, {}, 61);
+  CaseTensors<dgps::bf16> ct(c);
+  auto in = ct.inputs(c);
+  std::vector<dgps::bf16> o(c.arr.at("v").size());
+  std::vector<dgps::bf16> dk0(c.arr.at("k").size()), dk1(dk0.size()), dv0(o.size()), dv1(o.size());
+  const dgps::Options opt = chunkwise(32);
+  auto grads = [&](std::vector<dgps::bf16>& dk, std::vector<dgps::bf16>& dv) {
+    dgps::Grads<dgps::bf16> g;
+    g.dk = tv<dgps::bf16>(dk, c.shapes.at("k"));
+    g.dv = tv<dgps::bf16>(dv, c.shapes.at("v"));
+    return g;
+  };
+  dgps::backward<dgps::PGDN>(in, dgps::grads_in<dgps::bf16>(ct.p("do")), grads(dk0, dv0), opt);
+  dgps::TrainingCache cache;
+  dgps::forward<dgps::PGDN>(in, dgps::outputs<dgps::bf16>(o.data()).save_for_backward(cache), opt);
+  REQUIRE(cache.filled());
+  dgps::backward<dgps::PGDN>(in, dgps::grads_in<dgps::bf16>(ct.p("do")).use_saved(cache), grads(dk1, dv1), opt);
+  // The gradients are rounded to bf16: they agree to its rounding.
+  std::vector<double> a(dk0.begin(), dk0.end()), b(dv0.begin(), dv0.end());
+  CHECK(rel_err(dk1, a) < 1e-2);
+  CHECK(rel_err(dv1, b) < 1e-2);
+}
+
+TEST_CASE("training cache: size, reuse, and the paths that save nothing") {
+  const Case c =
+      random_case(dgps::model_by_name("gdn"),
+                  {.batch = 1, .time = 100, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {}, 81);
+  Bench<float> bench(c);
+  const dgps::Options opt = chunkwise(64);
+  // Online, K = V = 128, C = 64, float: 4 * (K * V / C + V + C) = 1792 bytes per token and value head,
+  // a partial chunk taking a whole chunk's block (2 chunks of 64 here).
+  const size_t expect = size_t(2 * 2 * 64) * 1792;
+  CHECK(dgps::training_cache_bytes<dgps::GDN>(bench.in(), opt) == expect);
+  std::vector<float> gp(size_t(c.shape.time * c.shape.heads), -0.1f), bp(gp.size(), 0.5f);
+  CHECK(
+      dgps::training_cache_bytes<dgps::MesaLayer>(
+          dgps::inputs<float>(c.shape, bench.ct.p("q"), bench.ct.p("k"), bench.ct.p("v")).precond(gp.data(), bp.data()),
+          opt) == 0);
+  dgps::TrainingCache cache;
+  CHECK(!cache.filled());
+  CHECK(cache.bytes() == 0);
+  bench.forward(opt, &cache);
+  CHECK(cache.filled());
+  CHECK(cache.bytes() == expect);
+  CHECK(cache.capacity() >= expect);
+  const Arrays plain = bench.backward(opt, nullptr);
+  CHECK(worst(bench.backward(opt, &cache), plain) < 2e-5);
+  // A second forward reuses the memory; a moved-to cache keeps the contents.
+  bench.forward(opt, &cache);
+  dgps::TrainingCache moved = std::move(cache);
+  CHECK(!cache.filled());
+  CHECK(moved.filled());
+  CHECK(worst(bench.backward(opt, &moved), plain) < 2e-5);
+  // Reference and recurrent forwards save nothing: the cache is empty afterwards and ignored.
+  for (dgps::Options other : {on(dgps::Backend::reference), on(dgps::Backend::cpu)}) {
+    if (other.backend == dgps::Backend::cpu) other.algorithm = dgps::Algorithm::recurrent;
+    bench.forward(other, &moved);
+    CHECK(!moved.filled());
+    CHECK(moved.bytes() == 0);
+    CHECK(worst(bench.backward(opt, &moved), plain) < 1e-12);
+  }
+  // The reference and recurrent backward ignore a filled cache.
+  bench.forward(opt, &moved);
+  const Arrays ref = run_backward<double>(c, on(dgps::Backend::reference));
+  CHECK(worst(bench.backward(on(dgps::Backend::reference), &moved), ref) < 1e-4);
+  dgps::Options rec = on(dgps::Backend::cpu);
+  rec.algorithm = dgps::Algorithm::recurrent;
+  CHECK(worst(bench.backward(rec, &moved), ref) < 1e-4);
+  moved.clear();
+  CHECK(!moved.filled());
+  CHECK(moved.capacity() == 0);
+}
+
+TEST_CASE("training cache: a cache from another call throws and writes nothing") {
+  const Case c =
+      random_case(dgps::model_by_name("pgdn"),
+                  {.batch = 1, .time = 40, .heads = 2, .v_heads = 2, .key_dim = 16, .value_dim = 16}, {0, 15, 40}, 91);
+  Bench<float> bench(c);
+  const dgps::Options opt = chunkwise(16);
+  dgps::TrainingCache cache;
+  bench.forward(opt, &cache);
+  REQUIRE(cache.filled());
+  auto expect_throw = [&](const std::string& what, const std::function<void()>& call, const std::string& needle) {
+    INFO(what);
+    bench.gt["dq"].assign(bench.gt["dq"].size(), 7.0f);
+    try {
+      call();
+      FAIL("no error");
+    } catch (const dgps::Error& e) {
+      const std::string msg = e.what();
+      INFO(msg);
+      CHECK(msg.find("training cache") != std::string::npos);
+      CHECK(msg.find(needle) != std::string::npos);
+    }
+    for (float x : bench.gt["dq"]) REQUIRE(x == 7.0f);  // nothing written
+  };
+  auto gi = [&] { return dgps::grads_in<float>(bench.ct.p("do")).use_saved(cache); };
+  expect_throw(
+      "another model with the same inputs",
+      [&] { dgps::dynamic::backward(dgps::model_by_name("pmamba2"), bench.in(), gi(), bench.g, opt); }, "model");
+  expect_throw(
+      "another chunk size",
+      [&] {
+        dgps::Options o = opt;
+        o.chunk_size = 32;
+        dgps::dynamic::backward(c.spec, bench.in(), gi(), bench.g, o);
+      },
+      "chunk_size");
+  expect_throw(
+      "another scale",
+      [&] {
+        dgps::Options o = opt;
+        o.scale = 0.5;
+        dgps::dynamic::backward(c.spec, bench.in(), gi(), bench.g, o);
+      },
+      "scale");
+  expect_throw(
+      "another squash bound",
+      [&] {
+        dgps::Options o = opt;
+        o.x = 1.2;
+        dgps::dynamic::backward(c.spec, bench.in(), gi(), bench.g, o);
+      },
+      "'x'");
+  expect_throw(
+      "no L2 norm",
+      [&] {
+        dgps::Options o = opt;
+        o.l2norm_qk = false;
+        dgps::dynamic::backward(c.spec, bench.in(), gi(), bench.g, o);
+      },
+      "l2norm_qk");
+  expect_throw(
+      "other sequence boundaries",
+      [&] {
+        std::vector<int64_t> cu{0, 20, 40};
+        auto in = bench.in();
+        in.varlen(cu.data(), 2);
+        dgps::dynamic::backward(c.spec, in, gi(), bench.g, opt);
+      },
+      "cu_seqlens");
+  expect_throw(
+      "a copy of q",
+      [&] {
+        std::vector<float> q(bench.ct.t.at("q"));
+        auto in = bench.in();
+        in.q = dgps::view<const float>(q.data(), c.shapes.at("q"));
+        dgps::dynamic::backward(c.spec, in, gi(), bench.g, opt);
+      },
+      "tensor 'q'");
+  expect_throw(
+      "no h0 in the backward",
+      [&] {
+        auto in = bench.in();
+        in.h0 = {};
+        dgps::dynamic::backward(c.spec, in, gi(), bench.g, opt);
+      },
+      "tensor 'h0'");
+  expect_throw(
+      "a shorter problem",
+      [&] {
+        auto in = bench.in();
+        in.shape.time = 30;
+        in.cu_seqlens = {};
+        std::vector<int64_t> cu{0, 15, 30};
+        in.varlen(cu.data(), 2);
+        dgps::Grads<float> g;
+        dgps::dynamic::backward(c.spec, in, gi(), g, opt);
+      },
+      "time");
+  // Float64 inputs against a float32 cache.
+  {
+    Bench<double> b64(c);
+    INFO("float64 backward, float32 cache");
+    try {
+      dgps::dynamic::backward(c.spec, b64.in(), dgps::grads_in<double>(b64.ct.p("do")).use_saved(cache), b64.g, opt);
+      FAIL("no error");
+    } catch (const dgps::Error& e) {
+      CHECK(std::string(e.what()).find("float32") != std::string::npos);
+    }
+  }
+  // The failed calls left the cache usable.
+  CHECK(worst(bench.backward(opt, &cache), bench.backward(opt, nullptr)) < 2e-5);
+}
