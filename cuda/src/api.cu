@@ -315,6 +315,7 @@ bool use_chunk_backward(const Params& p, const kernels::RecArgs& a) {
 size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
   const size_t head = (kernels::bwd_workspace(b, base) + 255) / 256 * 256;
   if (!c) return head;
+  if (kernels::fused_key_grads(b)) c->rq = b.rq, c->rk = b.rk;  // no norm pass: the intra kernel writes the norms
   return head + kernels::chunk_workspace(*c, base ? static_cast<char*>(base) + head : nullptr);
 }
 
@@ -348,7 +349,6 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   kernels::ChunkArgs* cp = chunk_backward_args(p, g, b, c);
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
-  if (cp && !b.qn) cp->rq = b.rq, cp->rk = b.rk;  // the intra-chunk kernel writes the norms (norm_kernel skipped)
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
   switch (p.dtype) {

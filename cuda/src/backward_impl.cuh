@@ -917,7 +917,8 @@ cudaError_t launch_backward(const BwdArgs& b, cudaStream_t st) {
   const RecArgs& a = b.a;
   const bool has_p = a.precond != kPrecondIdentity;
   const unsigned warps = unsigned((b.rows * a.H + 3) / 4);
-  if (warps && (b.qn || !b.chunk)) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);  // else the intra kernel's norms
+  const bool keys = !fused_key_grads(b);  // else the gradient kernel finishes dq, dk and the intra kernel the norms
+  if (warps && keys) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);
   const dim3 chunks(unsigned(b.slots), a.H), seqs(a.H, a.N);
   if (has_p) {
     stats_local_kernel<<<chunks, b.Kp, 0, st>>>(b);
@@ -928,7 +929,6 @@ cudaError_t launch_backward(const BwdArgs& b, cudaStream_t st) {
                         : b.Kp == 64    ? launch_backward_k<Tin, 64>(b, st)
                                         : launch_backward_k<Tin, 128>(b, st);
   if (e != cudaSuccess) return e;
-  const bool keys = !fused_key_grads(b);
   if (warps && keys) key_grad_kernel<<<warps, 128, 0, st>>>(b);
   if (has_p) {
     stats_rev_local_kernel<<<chunks, b.Kp, 0, st>>>(b);

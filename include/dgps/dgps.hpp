@@ -54,9 +54,10 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
   const detail::Problem<T> p = detail::check_forward<R>(in, out, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
   detail::check_supported<R>(info.backend, opt.algorithm);
+  // A cache is empty after any forward but the one path that saves (cpu::forward, chunkwise).
+  if (p.save_to) detail::TrainingCacheAccess::set_filled(*p.save_to, false);
   if (info.backend == Backend::reference) {
     reference::forward<R, T, double>(p, p.threads);
-    if (p.save_to) detail::TrainingCacheAccess::set_filled(*p.save_to, false);
     info.impl = "reference/recurrent";
     info.algorithm = Algorithm::recurrent;
   } else {
@@ -114,7 +115,7 @@ size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {}) {
     return 0;
   } else {
     const detail::Problem<T> p = detail::check_inputs<R>(in, opt);
-    return size_t(detail::training_layout(p).elements(p.HV)) * sizeof(state_t<T>);
+    return detail::training_bytes(p, detail::training_layout(p));
   }
 }
 

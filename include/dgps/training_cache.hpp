@@ -106,7 +106,7 @@ struct TrainingLayout {
 
   /// The layout of a problem: K, V, chunk C, Online or not, diagonal preconditioner or not, the state
   /// type's size, the sequence lengths (cu_seqlens, or N sequences of T tokens when empty).
-  static TrainingLayout of(int64_t HV, int64_t K, int64_t V, int64_t C, bool online, bool diag_pre, size_t state_bytes,
+  static TrainingLayout of(int64_t K, int64_t V, int64_t C, bool online, bool diag_pre, size_t state_bytes,
                            int64_t N, int64_t T, const int64_t* cu) {
     TrainingLayout l;
     const int64_t per_line = int64_t(64 / state_bytes);
@@ -121,7 +121,6 @@ struct TrainingLayout {
       l.chunk0[size_t(n + 1)] = l.chunk0[size_t(n)] + (len > 0 ? (len + C - 1) / C : 0);
     }
     l.chunks = l.chunk0[size_t(N)];
-    (void)HV;
     return l;
   }
   /// Elements of the whole cache.

@@ -89,7 +89,6 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
   return k;
 }
 
-
 }  // namespace detail_cpu
 
 /// Forward on the CPU. `chunkwise` forces the chunkwise kernels (R must be covered). `automatic`
@@ -97,7 +96,8 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
 /// length, from 1 token (about 2x, B = 8, H = 16, K = V = 128) to 32 tokens (about 17x) and beyond
 /// (bench/README.md). Otherwise (exact preconditioners, or `recurrent`) the recurrence runs token by
 /// token (the reference code with float accumulation).
-/// With a training cache (p.save_to) the chunkwise kernels fill it; the recurrence leaves it empty.
+/// With a training cache (p.save_to, emptied by dgps::forward) the chunkwise kernels fill it; the
+/// recurrence leaves it empty.
 template <class R, class T>
 Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   using A = dgps::detail::TrainingCacheAccess;
@@ -106,7 +106,7 @@ Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
     kernels::KernelParams k = detail_cpu::params(p);
     if (p.save_to) {
       dgps::detail::TrainingLayout layout = dgps::detail::training_layout(p);
-      const size_t bytes = size_t(layout.elements(p.HV)) * sizeof(state_t<T>);
+      const size_t bytes = dgps::detail::training_bytes(p, layout);
       A::prepare(*p.save_to, dgps::detail::training_key(p), std::move(layout), bytes);
       detail_cpu::set_saved(k, *p.save_to, true);
     }
@@ -115,7 +115,6 @@ Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
     return {Algorithm::chunkwise, impl};
   }
   reference::forward<R, T, state_t<T>>(p, p.threads);
-  if (p.save_to) A::set_filled(*p.save_to, false);
   return {Algorithm::recurrent, "cpu/recurrent"};
 }
 

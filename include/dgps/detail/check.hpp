@@ -209,8 +209,14 @@ TrainingKey training_key(const Problem<T>& p) {
 template <class T>
 TrainingLayout training_layout(const Problem<T>& p) {
   const bool diag_pre = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
-  return TrainingLayout::of(p.HV, p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre,
+  return TrainingLayout::of(p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre,
                             sizeof(state_t<T>), p.N, p.T_, p.cu_seqlens);
+}
+
+/// Bytes of the training cache of a validated problem whose layout is `l`.
+template <class T>
+size_t training_bytes(const Problem<T>& p, const TrainingLayout& l) {
+  return size_t(l.elements(p.HV)) * sizeof(state_t<T>);
 }
 
 /// Validates a forward call.
