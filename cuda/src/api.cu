@@ -39,8 +39,7 @@ void check(const Params& p, Call call) {
   const bool decode = call == Call::decode;
   if (!supports(p.spec, p.algorithm))
     throw Error("cuda: no " + std::string(dgps::to_string(p.algorithm)) + " algorithm for " + dgps::to_string(p.spec) +
-                " (the CUDA backend runs the Identity and diagonal preconditioners; chunkwise: decay none or "
-                "scalar)");
+                " (the CUDA backend runs the Identity and diagonal preconditioners)");
   require(p.B >= 1 && p.H >= 1 && p.HV >= 1 && p.T >= 0 && p.N >= 1, "sizes B, H, HV, N must be >= 1 and T >= 0");
   if (p.HV % p.H != 0)
     throw Error("cuda: v_heads (" + std::to_string(p.HV) + ") must be a multiple of heads (" + std::to_string(p.H) +

@@ -44,20 +44,32 @@ constexpr int LDC = C + 8;   ///< padded row of a C x C tile
 /// and Tinv in f16 ([C][LDC] each) and four 16 x 24 f16 scratch tiles; the v tile reuses it.
 constexpr size_t kSolveBytes = sizeof(float) * 4 * 16 * 17 + sizeof(uint16_t) * (2 * C * LDC + 4 * 16 * 24);
 static_assert(kSolveBytes >= sizeof(uint16_t) * C * (kChunkMaxV + 8), "the v tile fits in the solve region");
+/// Row length of the per-channel gamma tile (Diagonal decay), in floats: rows 16 banks apart, so the
+/// float2 reads of an mma fragment's two row groups fall in different banks.
+constexpr int LDG = KP + 8;
 /// Dynamic shared memory of the intra-chunk kernel: q, k (and kw for DiagonalATK) tiles, Tm, the solve region.
-constexpr size_t intra_smem_bytes(bool atk) {
-  return sizeof(uint16_t) * ((atk ? 3 : 2) * C * LDK + C * LDC) + kSolveBytes;
+/// With Diagonal decay a third tile holds the rescaled kw, and the C x C staging tile and the solve's
+/// scratch live in the gamma tile's place (see intra_kernel), so KDA and PKDA keep two blocks per SM.
+constexpr size_t intra_smem_bytes(bool atk, bool diag = false) {
+  return diag ? sizeof(uint16_t) * 3 * C * LDK + sizeof(float) * 4 * 16 * 17 + sizeof(uint16_t) * 2 * C * LDC +
+                    sizeof(float) * C * LDG
+              : sizeof(uint16_t) * ((atk ? 3 : 2) * C * LDK + C * LDC) + kSolveBytes;
 }
+static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8) + 4 * 16 * 24),
+              "the gamma tile holds the v tile and the solve's scratch");
 /// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,
-/// KW (C x 128 each), U (C x VT), P (C x C) and gamma (C floats).
-constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 2 * C; }
+/// KW (C x 128 each), U (C x VT), P (C x C) and the decays (C floats of gamma, or with Diagonal decay
+/// 128 floats of e^gamma_C).
+constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 2 * KP; }
 /// Dynamic shared memory of the state kernel: two tile buffers, the state's operand copy, R and
 /// R ⊙ e^(gamma_C - gamma).
 constexpr size_t state_smem_bytes(int VT) {
   return sizeof(uint16_t) * (2 * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
 }
 /// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
-constexpr size_t bwd_prep_smem_bytes() { return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C; }
+constexpr size_t bwd_prep_smem_bytes() {
+  return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C;
+}
 /// Backward mode: the reverse pass with VT value columns: two buffers of {Wb, Qe, Ke [C][LDK], Ub,
 /// do [C][VT + 8], gamma}, the state gradient's operand copy [128][VT + 8] and dX [C][VT + 8].
 constexpr int bwd_rev_buffer_elems(int VT) { return 3 * C * LDK + 2 * C * (VT + 8) + 2 * C; }
@@ -84,31 +96,33 @@ struct ChunkArgs {
   bool vec_qk = false;         ///< q and k rows can be read 16 bytes at a time (aligned, K % 8 == 0)
   bool vec_v = false;          ///< v rows can be read 16 bytes at a time
   // Workspace (device), laid out by chunk_workspace().
-  int2* map = nullptr;          ///< [chunk_bound] (sequence, chunk) of each global chunk, n = -1 past the end
-  int64_t* first = nullptr;     ///< [N + 1] first global chunk of each sequence
+  int2* map = nullptr;       ///< [chunk_bound] (sequence, chunk) of each global chunk, n = -1 past the end
+  int64_t* first = nullptr;  ///< [N + 1] first global chunk of each sequence
   void *W = nullptr, *Qn = nullptr, *KWn = nullptr;  ///< [chunk_bound, HV, C, 128] operand type: W, q (qr), kw
-  void *U = nullptr, *P = nullptr;                    ///< [chunk_bound, HV, C, Vpad], [chunk_bound, HV, C, C]
-  float* gam = nullptr;         ///< [chunk_bound, HV, C] cumulative log decay gamma within the chunk
-  float2* sums = nullptr;       ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
-  float* Ain = nullptr;         ///< [chunk_bound, H, 128] statistics entering each chunk
+  void *U = nullptr, *P = nullptr;                   ///< [chunk_bound, HV, C, Vpad], [chunk_bound, HV, C, C]
+  float* gam = nullptr;    ///< [chunk_bound, HV, C] cumulative log decay gamma within the chunk
+  float* egC = nullptr;    ///< [chunk_bound, HV, 128] Diagonal decay: e^gamma_C per key channel
+  float2* sums = nullptr;  ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
+  float* Ain = nullptr;    ///< [chunk_bound, H, 128] statistics entering each chunk
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
   // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
   // T2; the state pass writes the chunk-entry states and r instead of o.
   bool bwd = false;
   bool vec_do = false;  ///< do rows can be read 16 bytes at a time
-  float *rq = nullptr, *rk = nullptr;  ///< [B * T, H] inverse norms of q and k, written by the intra-chunk kernel when set
-  void *Kn = nullptr, *T2 = nullptr;           ///< [chunk_bound, HV, C, 128] read keys; [.., C, C] T2
-  void *S0 = nullptr, *Hc = nullptr;           ///< [chunk_bound, HV, 128, Vpad] states entering / gradients leaving each chunk
+  float *rq = nullptr,
+        *rk = nullptr;  ///< [B * T, H] inverse norms of q and k, written by the intra-chunk kernel when set
+  void *Kn = nullptr, *T2 = nullptr;  ///< [chunk_bound, HV, C, 128] read keys; [.., C, C] T2
+  void *S0 = nullptr, *Hc = nullptr;  ///< [chunk_bound, HV, 128, Vpad] states entering / gradients leaving each chunk
   void *Rr = nullptr, *dX = nullptr, *dO = nullptr;  ///< [chunk_bound, HV, C, Vpad] r, dv and a copy of do
 };
 
-/// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null, also points `c`'s workspace
-/// pointers into it (base must be 256-byte aligned).
+/// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null,
+/// also points `c`'s workspace pointers into it (base must be 256-byte aligned).
 size_t chunk_workspace(ChunkArgs& c, void* base);
 
-/// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, decay None or
-/// Scalar, K <= 128, V <= 128, and the device has the shared memory of the smallest variant
+/// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, every decay,
+/// K <= 128, V <= 128, and the device has the shared memory of the smallest variant
 /// (about 142 kB per block: Hopper and A100 class GPUs).
 bool chunk_covers(const RecArgs& a);
 
@@ -119,8 +133,9 @@ cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char
 
 struct BwdArgs;
 
-/// True when the chunkwise backward covers the call: the chunkwise forward covers it, K >= 64 and the
-/// inputs are 16-bit (its products run on 16-bit operands; float32 inputs keep the float32 backward).
+/// True when the chunkwise backward covers the call: the chunkwise forward covers it, decay None or
+/// Scalar, K >= 64 and the inputs are 16-bit (its products run on 16-bit operands; float32 inputs
+/// keep the float32 backward).
 bool chunk_backward_covers(const RecArgs& a, bool half_inputs);
 
 /// Launches the middle of the chunkwise backward (chunk_backward.cuh): from the normalised keys and

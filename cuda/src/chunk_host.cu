@@ -16,14 +16,14 @@ size_t chunk_max_smem() {
 }
 
 bool chunk_covers(const RecArgs& a) {
-  const size_t need = std::max(layout::intra_smem_bytes(true), layout::state_smem_bytes(16));
-  return a.decay != kDecayDiagonal && a.K <= kChunkKeys && a.V <= kChunkMaxV && chunk_max_smem() >= need;
+  const size_t need = std::max(layout::intra_smem_bytes(true, true), layout::state_smem_bytes(16));
+  return a.K <= kChunkKeys && a.V <= kChunkMaxV && chunk_max_smem() >= need;
 }
 
 bool chunk_backward_covers(const RecArgs& a, bool half_inputs) {
   // K >= 64: the tiles are 128 channels wide (narrow heads mostly multiply padding), and a chunk's 64
   // keys in fewer dimensions make (I + Bm Diag(beta)) ill-conditioned for 16-bit operands.
-  return half_inputs && a.K >= 64 && chunk_covers(a) && a.N > 0 &&
+  return half_inputs && a.decay != kDecayDiagonal && a.K >= 64 && chunk_covers(a) && a.N > 0 &&
          chunk_max_smem() >= std::max(layout::bwd_grad_smem_bytes(), layout::bwd_rev_smem_bytes(16));
 }
 
@@ -45,6 +45,7 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   c.U = take(op * tiles * kChunk * size_t(c.Vpad));
   c.P = take(op * tiles * kChunk * kChunk);
   c.gam = reinterpret_cast<float*>(take(sizeof(float) * tiles * kChunk));
+  c.egC = reinterpret_cast<float*>(take(a.decay == kDecayDiagonal ? sizeof(float) * tiles * kChunkKeys : 0));
   const bool diag = a.precond != kPrecondIdentity;
   const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
   c.sums = reinterpret_cast<float2*>(take(diag ? sizeof(float2) * stats : 0));

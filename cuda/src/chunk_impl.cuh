@@ -111,11 +111,11 @@ __device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src,
 
 /// Where global chunk `gc` lies: its sequence, index in the sequence, tokens.
 struct ChunkPos {
-  int n = -1;           ///< sequence, -1 past the end of a packed batch
-  int64_t c = 0;        ///< chunk index within the sequence
-  int64_t b = 0;        ///< batch row
-  int64_t t0 = 0;       ///< first token (index along T of batch row b)
-  int L = 0;            ///< tokens in the chunk (1..C)
+  int n = -1;      ///< sequence, -1 past the end of a packed batch
+  int64_t c = 0;   ///< chunk index within the sequence
+  int64_t b = 0;   ///< batch row
+  int64_t t0 = 0;  ///< first token (index along T of batch row b)
+  int L = 0;       ///< tokens in the chunk (1..C)
 };
 
 __device__ __forceinline__ ChunkPos chunk_pos(const ChunkArgs& ca, int64_t gc) {
@@ -173,9 +173,9 @@ __global__ void chunk_map_kernel(const ChunkArgs ca) {
 /// (16-byte aligned rows, D % 8 == 0) every thread issues all its loads before converting.
 template <class Tin, class Op, int COLS>
 __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int64_t rs, int L, int D, bool vec) {
-  constexpr int PR = COLS / 8;                 // 8-element groups per row
-  constexpr int IT = C * PR / kThreads;        // groups per thread
-  constexpr int W = sizeof(Tin) * 8 / 16;      // 16-byte words per group (1, or 2 for float)
+  constexpr int PR = COLS / 8;             // 8-element groups per row
+  constexpr int IT = C * PR / kThreads;    // groups per thread
+  constexpr int W = sizeof(Tin) * 8 / 16;  // 16-byte words per group (1, or 2 for float)
   static_assert(C * PR % kThreads == 0, "tile must split evenly");
   if (vec) {
     uint4 raw[IT][W];
@@ -201,8 +201,7 @@ __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int
     const int r = e / PR, c8 = (e % PR) * 8;
     alignas(16) Op out[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      out[j] = from_float<Op>((r < L && c8 + j < D) ? to_float(row0[r * rs + c8 + j]) : 0.f);
+    for (int j = 0; j < 8; ++j) out[j] = from_float<Op>((r < L && c8 + j < D) ? to_float(row0[r * rs + c8 + j]) : 0.f);
     *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(out);
   }
 }
@@ -321,8 +320,188 @@ __device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X
   copy_rows16(dst, gld, stage, LDK, cols);
 }
 
-/// Dynamic shared memory of the intra-chunk kernel: q, k (and kw for DiagonalATK) tiles, Tm, and a
-/// float32 region holding Akk and its inverse, later reused for the v tile.
+/// Multiplies the two 16-bit elements packed in x by the two packed in f (one packed instruction).
+template <class Op>
+__device__ __forceinline__ uint32_t mul2(uint32_t x, uint32_t f) {
+  using Op2 = std::conditional_t<std::is_same_v<Op, __half>, __half2, __nv_bfloat162>;
+  const Op2 r = __hmul2(*reinterpret_cast<const Op2*>(&x), *reinterpret_cast<const Op2*>(&f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+/// Packs two floats as two 16-bit operands.
+template <class Op>
+__device__ __forceinline__ uint32_t pack2(float x, float y) {
+  alignas(4) Op v[2] = {from_float<Op>(x), from_float<Op>(y)};
+  return *reinterpret_cast<const uint32_t*>(v);
+}
+
+/// Loads 16 channels (8 at c0, 8 at c0 + 64) of a row of 16-bit operands as floats.
+template <class Op>
+__device__ __forceinline__ void load16(float* x, const Op* row, int c0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    alignas(16) Op v[8];
+    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(row + c0 + 64 * h);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[8 * h + j] = to_float(v[j]);
+  }
+}
+__device__ __forceinline__ void load16(float* x, const float* row, int c0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; j += 4)
+      *reinterpret_cast<float4*>(x + 8 * h + j) = *reinterpret_cast<const float4*>(row + c0 + 64 * h + j);
+}
+
+/// Largest spread of gamma over a 16-row block for which the diagonal block also runs on tensor
+/// cores: its products then carry a factor up to e^spread (bf16 reaches e^88, f16 e^11).
+template <class Op>
+constexpr float kDiagSpread = std::is_same_v<Op, __half> ? 9.f : 60.f;
+
+/// Diagonal decay (SPEC §4), warp w owns the 16-row block a = w (rows m0 = 16w ..): rows m0 .. m0 + 15
+/// of Akk = Diag(beta) Bm (Bm Diag(beta) in backward mode) and of P, with e^(gamma_i - gamma_j) per
+/// channel formed from differences in the exponent so that strong decays stay finite:
+///   e^(gamma_i - gamma_j) = e^(gamma_i - gamma_16a) e^(gamma_16a - gamma_16b+15) e^(gamma_16b+15 - gamma_j)
+/// for row i in block a and column j in block b. The outer factors go into the tiles once, in place
+/// (K and Q rows of block a: e^(gamma_i - gamma_16a) <= 1; KW rows into `sKWh`: e^(gamma_16b+15 -
+/// gamma_j) <= 1); the middle one, per channel, scales the A fragments on the way to the tensor cores
+/// (<= 1 for b < a). The diagonal block (b = a, middle factor up to e^spread) joins them when gamma
+/// spreads over it by at most kDiagSpread; otherwise it is summed elementwise from the raw tiles first
+/// (lanes: 4 row groups x 8 channel groups of 16 channels). Writes P's rows to `sPst` (staging,
+/// [C][LDC]), Akk's diagonal block to sAd and the blocks left of it to sAh, zeros above the diagonal.
+/// Leaves the block's K, Q rows scaled as above (the caller rescales them by e^gamma_16a). Contains a
+/// __syncthreads: every thread of the block calls it.
+template <class Op>
+__device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, Op* sKWh, const float* G,
+                                                 const float* s_beta, bool online, bool bwd, int m0, Op* sPst,
+                                                 float* sAd, __half* sAh) {
+  const int lane = threadIdx.x & 31, w = m0 / 16;
+  const float* gA = G + m0 * LDG;  // gamma_16a
+  float spread = 0.f;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) spread = fmaxf(spread, gA[4 * lane + u] - G[(m0 + 15) * LDG + 4 * lane + u]);
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) spread = fmaxf(spread, __shfl_xor_sync(0xffffffffu, spread, d));
+  const bool fast = spread <= kDiagSpread<Op>;
+  if (!fast) {  // the diagonal block elementwise: lane = (row group rg, channel group cg); rows rg, rg + 4, ...
+    const int rg = lane >> 3, cg = lane & 7, c0 = cg * 8;
+    const unsigned mask = 0xffu << (8 * rg);
+    for (int ii = rg; ii < 16; ii += 4) {
+      const int i = m0 + ii;
+      float qi[16], ki[16], gi[16];
+      load16(qi, sQ + i * LDK, c0);
+      load16(ki, sK + i * LDK, c0);
+      load16(gi, G + i * LDG, c0);
+      for (int jj = 0; jj <= ii; ++jj) {
+        const int j = m0 + jj;
+        float kw[16], gj[16];
+        load16(kw, sKW + j * LDK, c0);
+        load16(gj, G + j * LDG, c0);
+        float sa = 0.f, sp = 0.f;
+#pragma unroll
+        for (int c = 0; c < 16; ++c) {
+          const float x = kw[c] * __expf(gi[c] - gj[c]);
+          sa += ki[c] * x, sp += qi[c] * x;
+        }
+#pragma unroll
+        for (int d = 1; d < 8; d <<= 1) {
+          sa += __shfl_xor_sync(mask, sa, d);
+          sp += __shfl_xor_sync(mask, sp, d);
+        }
+        if (cg == 0) {
+          sPst[i * LDC + j] = from_float<Op>(sp);
+          if (online) sAd[w * 272 + ii * 17 + jj] = jj < ii ? s_beta[bwd ? j : i] * sa : 0.f;
+        }
+      }
+    }
+    for (int e = lane; e < 256; e += 32) {  // zeros above the diagonal
+      const int ii = e / 16, jj = e % 16;
+      if (jj <= ii) continue;
+      sPst[(m0 + ii) * LDC + m0 + jj] = from_float<Op>(0.f);
+      if (online) sAd[w * 272 + ii * 17 + jj] = 0.f;
+    }
+    __syncwarp();
+  }
+  // The outer factors into this block's rows: lane l scales channels 8 (l % 16) .. + 7 of rows
+  // m0 + l / 16, + 2, ... (packed multiplies).
+  const float* gZ = G + (m0 + 15) * LDG;  // gamma_16a+15
+  const int c8 = (lane % 16) * 8;
+  float ga[8], gz[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ga[j] = gA[c8 + j], gz[j] = gZ[c8 + j];
+#pragma unroll 2
+  for (int r = m0 + lane / 16; r < m0 + 16; r += 2) {
+    uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+    uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+    uint4 xw = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+    uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
+    uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
+    uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const float g0 = G[r * LDG + c8 + j], g1 = G[r * LDG + c8 + j + 1];
+      const uint32_t fa = pack2<Op>(__expf(g0 - ga[j]), __expf(g1 - ga[j + 1]));
+      const uint32_t fz = pack2<Op>(__expf(gz[j] - g0), __expf(gz[j + 1] - g1));
+      pk[j / 2] = mul2<Op>(pk[j / 2], fa);
+      pq[j / 2] = mul2<Op>(pq[j / 2], fa);
+      pw[j / 2] = mul2<Op>(pw[j / 2], fz);
+    }
+    *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
+    *reinterpret_cast<uint4*>(sQ + r * LDK + c8) = xq;
+    *reinterpret_cast<uint4*>(sKWh + r * LDK + c8) = xw;
+  }
+  __syncthreads();  // every block's KW rows are scaled
+  float accA[8][4], accP[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accA[i][e] = accP[i][e] = 0.f;
+  const int nb = fast ? w + 1 : w;  // column blocks on tensor cores
+#pragma unroll 1
+  for (int k0 = 0; k0 < KP; k0 += 16) {
+    uint32_t fk[4], fq[4];
+    load_a(fk, sK, LDK, m0, k0);
+    load_a(fq, sQ, LDK, m0, k0);
+    const int c0 = k0 + 2 * (lane & 3);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      if (b >= nb) break;
+      const float* gB = G + (16 * b + 15) * LDG;  // gamma_16b+15
+      const uint32_t f0 = pack2<Op>(__expf(gA[c0] - gB[c0]), __expf(gA[c0 + 1] - gB[c0 + 1]));
+      const uint32_t f1 = pack2<Op>(__expf(gA[c0 + 8] - gB[c0 + 8]), __expf(gA[c0 + 9] - gB[c0 + 9]));
+      // A fragment registers 0, 1 hold columns c0, c0 + 1; registers 2, 3 columns c0 + 8, c0 + 9.
+      const uint32_t sk[4] = {mul2<Op>(fk[0], f0), mul2<Op>(fk[1], f0), mul2<Op>(fk[2], f1), mul2<Op>(fk[3], f1)};
+      const uint32_t sq[4] = {mul2<Op>(fq[0], f0), mul2<Op>(fq[1], f0), mul2<Op>(fq[2], f1), mul2<Op>(fq[3], f1)};
+      uint32_t fb[4];
+      load_b(fb, sKWh, LDK, 16 * b, k0);
+      if (online) {
+        mma<Op>(accA[2 * b], sk, fb);
+        mma<Op>(accA[2 * b + 1], sk, fb + 2);
+      }
+      mma<Op>(accP[2 * b], sq, fb);
+      mma<Op>(accP[2 * b + 1], sq, fb + 2);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
+      const bool dblock = j >= m0 && j < m0 + 16;
+      if (dblock && !fast) continue;  // summed elementwise above
+      store2(sPst + i * LDC + j, j <= i ? accP[nt][e] : 0.f, j + 1 <= i ? accP[nt][e + 1] : 0.f);
+      if (!online) continue;
+      const float x0 = j < i ? s_beta[bwd ? j : i] * accA[nt][e] : 0.f;
+      const float x1 = j + 1 < i ? s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] : 0.f;
+      if (dblock) {
+        sAd[w * 272 + (i % 16) * 17 + j % 16] = x0;
+        sAd[w * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
+      } else if (j < m0) {
+        sAh[i * LDC + j] = __float2half_rn(x0);
+        sAh[i * LDC + j + 1] = __float2half_rn(x1);
+      }
+    }
+}
 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
 /// owns rows 16w .. 16w + 15 of every C-row product.
@@ -331,16 +510,25 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   const RecArgs& a = ca.a;
   const int LDV = ca.Vpad + 8;
   const bool has_p = a.precond != kPrecondIdentity, atk = a.precond == kPrecondATK;
+  const bool diag = a.decay == kDecayDiagonal;
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sQ = reinterpret_cast<Op*>(smem);  // [C][LDK] normalised, scaled q (qr for DiagonalATQ)
   Op* sK = sQ + C * LDK;                 // [C][LDK] read key k, later k ⊙ e^gamma
-  Op* sKWb = sK + C * LDK;               // [C][LDK] write key kw (DiagonalATK only)
-  Op* sTm = sKWb + (atk ? C * LDK : 0);  // [C][LDC]
-  float* sAd = reinterpret_cast<float*>(sTm + C * LDC);  // [4][16][17] Akk's diagonal blocks (float32)
-  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
-  __half* sTh = sAh + C * LDC;                                  // [C][LDC] Tinv (lower block triangle)
-  __half* sXh = sTh + C * LDC;                                  // [4][16][24] per-warp scratch
-  Op* sV = reinterpret_cast<Op*>(sAd);                          // [C][LDV] over the solve region once Tm is formed
+  Op* sKWb = sK + C * LDK;               // [C][LDK] write key kw (DiagonalATK; Diagonal decay: kw scaled)
+  Op* sEnd = sKWb + (atk || diag ? C * LDK : 0);
+  // Scalar or no decay: Tm [C][LDC], then the solve region (the v tile reuses it once Tm is formed).
+  // Diagonal decay (intra_smem_bytes(atk, true)): the solve region without its scratch, then the
+  // per-channel gamma [C][LDG]; P is staged in Tinv's place, gamma's region holds the solve's scratch
+  // once the decayed tiles are out and then the v tile, and Tm takes Akk's place after the solve.
+  Op* sTm = diag ? nullptr : sEnd;                                      // [C][LDC]
+  float* sAd = reinterpret_cast<float*>(diag ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks (float32)
+  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);           // [C][LDC] Akk below the diagonal blocks
+  __half* sTh = sAh + C * LDC;                                          // [C][LDC] Tinv (lower block triangle)
+  float* sG = reinterpret_cast<float*>(sTh + C * LDC);                  // [C][LDG] per-channel gamma (Diagonal decay)
+  __half* sXh = diag ? reinterpret_cast<__half*>(sG) : sTh + C * LDC;   // [4][16][24] per-warp scratch
+  Op* sV = diag ? reinterpret_cast<Op*>(sG) : reinterpret_cast<Op*>(sAd);  // [C][LDV]
+  Op* sPst = diag ? reinterpret_cast<Op*>(sTh) : sTm;                      // P's staging
+  if (diag) sTm = reinterpret_cast<Op*>(sAh);
   __shared__ float s_gam[C], s_beta[C], s_gp[C], s_bp[C], s_eg[C];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -367,6 +555,22 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       }
     }
     s_gam[tid] = g, s_beta[tid] = be, s_gp[tid] = gp, s_bp[tid] = bp;
+  }
+  // Diagonal decay: thread c scans channel c's gamma over the chunk (g = 0 past L and past K, so
+  // row C - 1 holds gamma_C); s_gam stays 0 and the scalar factors below are 1.
+  if (diag) {
+    const int c = tid;
+    const int64_t g0 = p.b * a.sg[0] + p.t0 * a.sg[1] + hv * a.sg[2] + c;
+    float gs = 0.f;
+#pragma unroll 1
+    for (int r0 = 0; r0 < C; r0 += 32) {  // 32 loads in flight per thread
+      float gv[32];
+#pragma unroll
+      for (int u = 0; u < 32; ++u)
+        gv[u] = (c < a.K && r0 + u < L) ? load_gate(a.g, g0 + (r0 + u) * a.sg[1], a.gate_dtype) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 32; ++u) sG[(r0 + u) * LDG + c] = gs += gv[u];
+    }
   }
   // Raw q, k, v rows, then q and k normalised in place (q also scaled).
   {
@@ -413,9 +617,76 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   }
   __syncthreads();
 
+  // Q (or qr) and KW to the workspace with the chunk's gamma (the state pass applies the decays to
+  // its accumulator rows), then K ⊙ e^gamma in place for W. Diagonal decay: the decays are applied
+  // here per channel, Q ⊙ e^gamma and KW ⊙ e^(gamma_C - gamma), from the tiles diag_decay_akk_p left
+  // (Q, K scaled by e^(gamma - gamma_16a), KW by e^(gamma_16a+15 - gamma) in sKWb).
+  const int64_t tile = (gc * a.HV + hv) * C * KP;
+  auto tiles_out = [&] {
+    Op* Qn = static_cast<Op*>(ca.Qn) + tile;
+    Op* KWn = static_cast<Op*>(ca.KWn) + tile;
+    float fea[8], fez[8];  // Diagonal decay: e^gamma_16a and e^(gamma_C - gamma_16a+15) of this thread's channels
+    static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
+#pragma unroll
+    for (int e = tid; e < C * KP / 8; e += kThreads) {
+      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+      if (diag) {
+        // Thread tid always has channels c8 = 8 (tid % 16) ..; rows tid / 16 + 8 it lie in block it / 2.
+        const int a16 = r / 16 * 16;
+        if (e < kThreads || r % 16 < 8) {  // first row of this thread in block a16 / 16: its factors
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float g0 = sG[a16 * LDG + c8 + j];
+            fea[j] = __expf(g0), fez[j] = __expf(sG[(C - 1) * LDG + c8 + j] - sG[(a16 + 15) * LDG + c8 + j]);
+          }
+        }
+        uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+        uint4 xw = *reinterpret_cast<const uint4*>(sKWb + r * LDK + c8);
+        uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+        uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
+        uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
+        uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+          const uint32_t fa = pack2<Op>(fea[j], fea[j + 1]), fz = pack2<Op>(fez[j], fez[j + 1]);
+          pq[j / 2] = mul2<Op>(pq[j / 2], fa);
+          pk[j / 2] = mul2<Op>(pk[j / 2], fa);
+          pw[j / 2] = mul2<Op>(pw[j / 2], fz);
+        }
+        *reinterpret_cast<uint4*>(Qn + r * KP + c8) = xq;
+        *reinterpret_cast<uint4*>(KWn + r * KP + c8) = xw;
+        *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
+        continue;
+      }
+      *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+      *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+      if (ca.bwd)  // the read keys
+        *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
+            *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+    }
+    if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
+    if (diag) {
+      ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(sG[(C - 1) * LDG + tid]);
+      return;
+    }
+    __syncthreads();  // KW may be K itself
+    for (int e = tid; e < C * KP / 8; e += kThreads) {
+      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+      alignas(16) Op xk[8];
+      *reinterpret_cast<uint4*>(xk) = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xk[j] = from_float<Op>(to_float(xk[j]) * s_eg[r]);
+      *reinterpret_cast<uint4*>(sK + r * LDK + c8) = *reinterpret_cast<const uint4*>(xk);
+    }
+  };
+
   // Akk = beta_i (K KW^T)_ij e^(gamma_i - gamma_j) (j < i) and P = (Q KW^T)_ij e^(gamma_i - gamma_j) (j <= i).
   const int m0 = warp * 16;
-  {
+  if (diag) {
+    diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh);
+    __syncwarp();
+    copy_rows16(static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C + m0 * C, C, sPst + m0 * LDC, LDC, C);
+  } else {
     float accA[8][4], accP[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -464,6 +735,10 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     copy_rows16(P + m0 * C, C, sTm + m0 * LDC, LDC, C);
   }
   __syncthreads();
+  if (diag) {  // the decayed tiles out now: gamma's region is the solve's scratch from here on
+    tiles_out();
+    __syncthreads();
+  }
 
   // Tinv = (I + Akk)^{-1} (unit lower triangular): the 16 x 16 diagonal blocks by substitution in
   // float32 (warp w, lane = column), then, one row of blocks at a time, the blocks below them on
@@ -533,29 +808,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = *reinterpret_cast<const uint4*>(t8);
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
-  // Q (or qr) and KW to the workspace with the chunk's gamma (the state pass applies the decays to
-  // its accumulator rows), then K ⊙ e^gamma in place for W.
-  const int64_t tile = (gc * a.HV + hv) * C * KP;
-  Op* Qn = static_cast<Op*>(ca.Qn) + tile;
-  Op* KWn = static_cast<Op*>(ca.KWn) + tile;
-  for (int e = tid; e < C * KP / 8; e += kThreads) {
-    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
-    *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-    *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-    if (ca.bwd)  // the read keys
-      *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
-          *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
-  }
-  if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
-  __syncthreads();
-  for (int e = tid; e < C * KP / 8; e += kThreads) {
-    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
-    alignas(16) Op xk[8];
-    *reinterpret_cast<uint4*>(xk) = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) xk[j] = from_float<Op>(to_float(xk[j]) * s_eg[r]);
-    *reinterpret_cast<uint4*>(sK + r * LDK + c8) = *reinterpret_cast<const uint4*>(xk);
-  }
+  if (!diag) tiles_out();
   {  // v rows into the (now free) Akk / inverse region
     const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
     if (ca.Vpad == 64)
@@ -620,10 +873,10 @@ template <class Tin, class Op, int VT, int WARPS, bool CKPT>
 __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
   constexpr int LDV = VT + 8;
-  constexpr int NT = VT / 8;                 // n-tiles of the state
+  constexpr int NT = VT / 8;                    // n-tiles of the state
   constexpr int RW = KP / WARPS, MT = RW / 16;  // state rows and m-tiles per warp
-  constexpr int CG = WARPS / 4;              // column groups of the C-row products
-  constexpr int NTW = NT / CG;               // their n-tiles per warp
+  constexpr int CG = WARPS / 4;                 // column groups of the C-row products
+  constexpr int NTW = NT / CG;                  // their n-tiles per warp
   static_assert(NTW % 2 == 0 && MT >= 1, "tile split");
   constexpr int BUF = state_buffer_elems(VT);
   extern __shared__ __align__(16) unsigned char smem[];
@@ -633,6 +886,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   Op* sRs = sR + C * LDV;                  // [C][LDV] R ⊙ e^(gamma_C - gamma), zero past L
 
   const int warp = threadIdx.x >> 5;
+  const bool diag = a.decay == kDecayDiagonal;
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT;
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
@@ -646,9 +900,13 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
     copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
     copy_tile_async<C>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
-    // gamma: C floats = 2 C 16-bit elements, one row
-    copy_tile_async<2 * C>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
-                           reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+    // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
+    if (diag)
+      copy_tile_async<2 * KP>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
+                              reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP, 1);
+    else
+      copy_tile_async<2 * C>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C, reinterpret_cast<const Op*>(ca.gam + tile),
+                             2 * C, 1);
     cp_commit();
   };
   if (count > 0) issue(0);
@@ -661,8 +919,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          f(S[mt][nt][e], acc_row(RW * warp + 16 * mt, e), v0 + acc_col(8 * nt, e));
+        for (int e = 0; e < 4; ++e) f(S[mt][nt][e], acc_row(RW * warp + 16 * mt, e), v0 + acc_col(8 * nt, e));
   };
   each_state([&](float& x, int row, int col) {
     x = (a.h0 && row < a.K && col < a.V) ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + row * a.sh0[2] + col] : 0.f;
@@ -676,7 +933,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const bool ok = ci * C + acc_row(m0, 0) + 8 * u < len;
-      gains[u] = !ok ? 0.f
+      gains[u] = !ok      ? 0.f
                  : a.beta ? load_gate(a.beta, b * a.sbeta[0] + (t + 8 * u) * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype)
                           : 1.f;
     }
@@ -697,8 +954,9 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     const Op* sKW = sW + 2 * C * LDK;
     const Op* sU = sW + 3 * C * LDK;
     const Op* sP = sU + C * LDV;
-    const float* sG = reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens
-    const float gl = sG[L - 1], gC = __expf(gl);
+    const float* sG =
+        reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens (Diagonal: e^gamma_C)
+    const float gl = diag ? 0.f : sG[L - 1], gC = __expf(gl);
     const int64_t vtile = ((first + ci) * a.HV + hv) * int64_t(ca.Vpad);  // (chunk, head) tile, in rows of Vpad
     if (CKPT) store_tile<VT>(static_cast<Op*>(ca.S0) + vtile * KP + v0, ca.Vpad, sS, LDV, KP);
     // R = U - W S and Q S for rows m0 .. m0 + 15.
@@ -729,8 +987,10 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     // Rows i of O get e^gamma_i (O = (Q ⊙ e^gamma) S + P R); R's copy for the state update gets
     // e^(gamma_C - gamma_i), zero past L.
     const int ra = acc_row(m0, 0), rb = ra + 8;
-    const float eo[2] = {__expf(sG[ra]), __expf(sG[rb])};
-    float es[2] = {ra < L ? __expf(gl - sG[ra]) : 0.f, rb < L ? __expf(gl - sG[rb]) : 0.f};
+    // (Diagonal decay: the intra-chunk kernel applied both per channel to Q and KW.)
+    const float eo[2] = {diag ? 1.f : __expf(sG[ra]), diag ? 1.f : __expf(sG[rb])};
+    float es[2] = {ra < L ? (diag ? 1.f : __expf(gl - sG[ra])) : 0.f,
+                   rb < L ? (diag ? 1.f : __expf(gl - sG[rb])) : 0.f};
     if (CKPT) {  // R = r here: the update's rows get the gains (loaded one chunk ahead)
       es[0] *= gain_next[0], es[1] *= gain_next[1];
       if (ci + 1 < count) load_gains(ci + 1, gain_next);
@@ -747,7 +1007,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
       }
     __syncthreads();
     if (CKPT) store_tile<VT>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
-    // O += P R.
+      // O += P R.
 #pragma unroll
     for (int k0 = 0; k0 < (CKPT ? 0 : C); k0 += 16) {
       uint32_t fp[4];
@@ -768,13 +1028,15 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         if (!CKPT && i < L && col < a.V)
           o[b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col] = from_float<Tin>(acc_o[nt][e]);
       }
-    // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)).
+      // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)) (Diagonal decay: state row c times e^gamma_C[c]).
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+      const float d0 = diag ? sG[acc_row(RW * warp + 16 * mt, 0)] : gC;
+      const float d1 = diag ? sG[acc_row(RW * warp + 16 * mt, 2)] : gC;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= gC;
+        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= e < 2 ? d0 : d1;
 #pragma unroll
       for (int k0 = 0; k0 < C; k0 += 16) {
         uint32_t fk[4];
@@ -834,8 +1096,8 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     precond_sums_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.H), kThreads, 0, stream>>>(ca);
     precond_scan_kernel<<<dim3(a.N, a.H), kThreads, 0, stream>>>(ca);
   }
-  const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK);
-  static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true));
+  const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
+  static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
   if (set != cudaSuccess) return set;
   intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
   cudaError_t e = cudaGetLastError();

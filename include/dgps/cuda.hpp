@@ -63,7 +63,7 @@ struct Params {
   float eps = 1e-6f;                ///< inside log(A + eps)
   bool l2norm = true;               ///< L2-normalise q and k per head (SPEC §1)
   /// `automatic`: the chunkwise tensor-core kernels for bf16/f16 inputs where they cover the model
-  /// (decay None or Scalar, K, V <= 128), else the float32 recurrent kernels. `chunkwise` forces the
+  /// (every decay, K, V <= 128), else the float32 recurrent kernels. `chunkwise` forces the
   /// former (its products use 16-bit operands, so float32 inputs then see bf16-level rounding, about
   /// 1e-2 relative); `recurrent` the latter.
   Algorithm algorithm = Algorithm::automatic;
@@ -98,13 +98,13 @@ bool is_device_pointer(const void* p);
 
 /// True when the CUDA backend implements model `spec` with `algorithm`: every decay, gain and solve
 /// with the Identity or diagonal preconditioners (not the exact ones) for the recurrent algorithm;
-/// the chunkwise algorithm (tensor cores, SPEC §4) for decay None or Scalar (K, V <= 128).
+/// the chunkwise algorithm (tensor cores, SPEC §4) for the same models (K, V <= 128).
 constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::automatic) {
   const bool diag_or_identity = spec.precond == precond::Kind::identity ||
                                 spec.precond == precond::Kind::diagonal_atk ||
                                 spec.precond == precond::Kind::diagonal_atq;
-  if (algorithm == Algorithm::chunkwise) return diag_or_identity && spec.decay != decay::Kind::diagonal;
-  return diag_or_identity && (algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent);
+  return diag_or_identity && (algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent ||
+                              algorithm == Algorithm::chunkwise);
 }
 
 /// Forward pass (SPEC §2, §4) on `stream` (a cudaStream_t; null = the default stream). Writes `o`
@@ -145,7 +145,7 @@ constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, 
 /// atomics (two calls on the same inputs give bitwise equal gradients):
 ///  - chunkwise, on tensor cores (16-bit operands, float32 accumulation and state gradient; 64-token
 ///    chunks, SPEC §4): for bf16/f16 inputs by default (float32 inputs with Algorithm::chunkwise)
-///    when the chunkwise forward covers the call (decay none or scalar, K, V <= 128) and K >= 64.
+///    when the chunkwise forward covers the call (K, V <= 128), the decay is none or scalar and K >= 64.
 ///    Returns "cuda/backward/chunkwise";
 ///  - otherwise (Algorithm::recurrent, float32 inputs, diagonal decay, K < 64), float32 state
 ///    arithmetic throughout: a recurrent pass saves the state every 64 tokens, a reverse pass carries

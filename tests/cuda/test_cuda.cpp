@@ -169,7 +169,7 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
 /// The chunkwise tensor-core kernels (every covered model, forced, all input types) and the
 /// recurrent kernels on 16-bit inputs (which the automatic choice no longer sends there).
 void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
-  const char* models[] = {"la", "mamba2", "dn", "gdn", "pdn", "pgdn", "pmamba2"};
+  const char* models[] = {"la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn", "pkda", "pmamba2"};
   uint64_t seed = 9000;
   g_alg = dgps::Algorithm::chunkwise;
   for (const auto& name : dgps_test::case_names()) {
@@ -200,10 +200,19 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   // Strong decay and g = 0 (SPEC §5).
   dgps_test::Gen strong;
   strong.g_lo = -50, strong.g_hi = -10;
-  for (const char* m : {"gdn", "pgdn"}) {
+  for (const char* m : {"gdn", "pgdn", "gla", "kda", "pkda"}) {
     Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
                          seed++, strong);
     compare(std::string("chunk/") + m + "/strong_decay", c, DType::bf16, DType::f32, ws, nullptr);
+  }
+  // Diagonal decay: channels that barely decay beside channels that decay strongly, in one head
+  // (per-channel gamma spans from about 0 to -3000 over a chunk).
+  dgps_test::Gen mixed;
+  mixed.g_lo = -50, mixed.g_hi = 0;
+  for (const char* m : {"kda", "pkda"}) {
+    Case c = make_random(m, {.batch = 1, .time = 260, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, mixed);
+    compare(std::string("chunk/") + m + "/mixed_decay", c, DType::bf16, DType::f32, ws, nullptr);
   }
   dgps_test::Gen zero;
   zero.g_lo = 0, zero.g_hi = 1e-300;
@@ -211,7 +220,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
                        {}, seed++, zero);
   compare("chunk/pgdn/g0", z, DType::bf16, DType::f32, ws, nullptr);
   // Long sequences and many heads (the state pass's 16-, 32- and 64-column tiles).
-  for (const char* m : {"gdn", "pgdn"}) {
+  for (const char* m : {"gdn", "pgdn", "pkda"}) {
     Case big = make_random(m, {.batch = 2, .time = 2048, .heads = 4, .v_heads = 4, .key_dim = 128, .value_dim = 128},
                            {}, seed++);
     compare(std::string("chunk/") + m + "/B2T2048H4", big, DType::bf16, DType::bf16, ws, nullptr);
@@ -220,8 +229,8 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
                             {}, seed++);
     compare(std::string("chunk/") + m + "/B8H16HV32", wide, DType::bf16, DType::f32, ws, nullptr);
   }
-  // Forced chunkwise where it does not apply (Diagonal decay; V > 128): a dgps::Error naming the reason.
-  for (const auto& [m, V] : {std::pair<const char*, int64_t>{"kda", 64}, {"gdn", 192}}) {
+  // Forced chunkwise where it does not apply (V > 128): a dgps::Error naming the reason.
+  for (const auto& [m, V] : {std::pair<const char*, int64_t>{"kda", 192}, {"gdn", 192}}) {
     Case c = make_random(m, {.batch = 1, .time = 70, .heads = 1, .v_heads = 1, .key_dim = 64, .value_dim = V}, {},
                          seed++);
     std::string impl, what;
