@@ -314,7 +314,7 @@ bool use_chunk_backward(const Params& p, const kernels::RecArgs& a) {
 size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
   const size_t head = (kernels::bwd_workspace(b, base) + 255) / 256 * 256;
   if (!c) return head;
-  if (kernels::fused_key_grads(b)) c->rq = b.rq, c->rk = b.rk;  // no norm pass: the intra kernel writes the norms
+  c->rq = b.rq, c->rk = b.rk;  // no norm pass: the intra kernel writes the norms
   return head + kernels::chunk_workspace(*c, base ? static_cast<char*>(base) + head : nullptr);
 }
 

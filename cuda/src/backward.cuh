@@ -1,10 +1,12 @@
 /// @brief The CUDA backward's launch arguments (SPEC §3.8) and its launcher: float32 state arithmetic,
 /// fixed-order reductions (deterministic), every model the forward covers.
 ///
-/// Eight kernels on the caller's stream, sized from host-known bounds (no host synchronisation); with
-/// BwdArgs::chunk (16-bit inputs, chunk_backward_covers) steps 3 to 5 run chunkwise on tensor cores
-/// instead (chunk_backward_impl.cuh), and with the Identity preconditioner and no GVA step 5 also
-/// finishes dq and dk (steps 6 and 8 are skipped):
+/// Eight kernels on the caller's stream, sized from host-known bounds (no host synchronisation). With
+/// BwdArgs::chunk (16-bit inputs, chunk_backward_covers) every step runs chunkwise instead
+/// (chunk_backward_impl.cuh): steps 3 to 5 on tensor cores, and steps 1, 2, 6 to 8 per (chunk, key
+/// head) from the forward's chunk statistics, without per-token float32 arrays of q, k, A, M or dA;
+/// with the Identity preconditioner and no GVA the gradient kernel finishes dq and dk itself. The
+/// float32 (recurrent) backward:
 ///   1. `norm_kernel`: the normalised, scaled q and k of every token (SPEC §1), zero-padded to Kp.
 ///   2. `stats_*_kernel` (diagonal preconditioners): the statistics A_t and squash M_t (SPEC §2), a
 ///      first-order scan chunked in three steps (per chunk, across chunks, per chunk again).
@@ -17,7 +19,8 @@
 ///      future gradient), r and dr known, every key-side gradient is a sum of products (C = chunk):
 ///        dqr_i = e^{γ_i} S_0 do_i + Σ_{j<=i} e^{γ_i-γ_j} b_j kw_j (r_j·do_i)
 ///        dkn_i = -e^{γ_i} S_0 dr_i - Σ_{j<i} e^{γ_i-γ_j} b_j kw_j (r_j·dr_i)
-///        P_i   = G_i r_i = Σ_{j>=i} e^{γ_j-γ_i} qr_j (do_j·r_i) - Σ_{j>i} e^{γ_j-γ_i} kn_j (dr_j·r_i) + e^{γ_C-γ_i} H r_i
+///        P_i   = G_i r_i = Σ_{j>=i} e^{γ_j-γ_i} qr_j (do_j·r_i) - Σ_{j>i} e^{γ_j-γ_i} kn_j (dr_j·r_i)
+///                + e^{γ_C-γ_i} H r_i
 ///        dkw_i = b_i P_i,  db_i = kw_i·P_i,
 ///        dγ_i = qr_i⊙dqr_i + kn_i⊙dkn_i - kw_i⊙dkw_i (+ Σ_v H ⊙ S_C at the last row), dg = suffix sums of dγ;
 ///      every exponent is a difference of cumulative gates of a later and an earlier token, so it is <= 0
@@ -57,20 +60,21 @@ struct BwdArgs {
   /// With the chunkwise backward (host pointer, launch_backward only): its arguments; steps 3 to 5 run
   /// on tensor cores (chunk_backward_impl.cuh) and R, dR, S, G are not allocated.
   const ChunkArgs* chunk = nullptr;
-  int Kp = 64;           ///< K padded to 64 or 128 (row length of the key-side workspace arrays)
-  int64_t rows = 0;      ///< B * T token rows
-  int64_t slots = 0;     ///< checkpoint slots: rows / 64 + 2 N + 1
+  int Kp = 64;        ///< K padded to 64 or 128 (row length of the key-side workspace arrays)
+  int64_t rows = 0;   ///< B * T token rows
+  int64_t slots = 0;  ///< checkpoint slots: rows / 64 + 2 N + 1
   // Workspace (device), laid out by bwd_workspace().
-  float *qn = nullptr, *kn = nullptr;        ///< [rows, H, Kp] normalised q (times scale) and k
-  float *rq = nullptr, *rk = nullptr;        ///< [rows, H] their inverse norms (1 without the L2 norm)
-  float *A = nullptr, *M = nullptr;          ///< [rows, H, Kp] statistics and squash (M reused by step 7)
-  float *R = nullptr, *dR = nullptr;         ///< [rows, HV, V] residuals r_t and their gradients dr_t
-  float *S = nullptr, *G = nullptr;          ///< [slots, HV, Kp, V] chunk-entry states, future state gradients
+  // qn, kn, A, M, dA, R, dR, S, G: recurrent backward only.
+  float *qn = nullptr, *kn = nullptr;  ///< [rows, H, Kp] normalised q (times scale) and k
+  float *rq = nullptr, *rk = nullptr;  ///< [rows, H] their inverse norms (1 without the L2 norm)
+  float *A = nullptr, *M = nullptr;    ///< [rows, H, Kp] statistics and squash (M reused by step 7)
+  float *R = nullptr, *dR = nullptr;   ///< [rows, HV, V] residuals r_t and their gradients dr_t
+  float *S = nullptr, *G = nullptr;    ///< [slots, HV, Kp, V] chunk-entry states, future state gradients
   float *dQ = nullptr, *dKn = nullptr, *dKW = nullptr;  ///< [rows, HV, Kp] gradients of qr, read key, write key
-  float *dA = nullptr;                       ///< [rows, H, Kp] local dA, then the scanned one
-  float* dcen = nullptr;                     ///< [rows, H] per-token dcenter terms
-  float2* sums = nullptr;                    ///< [slots, H, Kp] per-chunk (decay product, local scan) of a stats scan
-  float* carry = nullptr;                    ///< [slots, H, Kp] a stats scan's value entering each chunk
+  float* dA = nullptr;                                  ///< [rows, H, Kp] local dA, then the scanned one
+  float* dcen = nullptr;                                ///< [rows, H] per-token dcenter terms (chunkwise: [chunks, H])
+  float2* sums = nullptr;  ///< [slots, H, Kp] per-chunk (decay product, local scan) of a stats scan
+  float* carry = nullptr;  ///< [slots, H, Kp] a stats scan's value entering each chunk
 };
 
 /// Whether the chunkwise backward's gradient kernel finishes dq and dk itself (Identity preconditioner,

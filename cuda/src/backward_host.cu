@@ -15,14 +15,15 @@ size_t bwd_workspace(BwdArgs& b, void* base) {
   const size_t rows = size_t(b.rows), key = rows * size_t(a.H) * size_t(b.Kp);
   const size_t val = rows * size_t(a.HV) * size_t(a.V), vkey = rows * size_t(a.HV) * size_t(b.Kp);
   const size_t ckpt = size_t(b.slots) * size_t(a.HV) * size_t(b.Kp) * size_t(a.V);
-  const bool keys = !fused_key_grads(b);  // the per-token key-gradient kernels run
-  b.qn = keys ? take(key) : nullptr;
-  b.kn = keys ? take(key) : nullptr;
+  const bool rec = b.chunk == nullptr;    // the chunkwise backward keeps its own 16-bit tiles instead
+  const bool keys = !fused_key_grads(b);  // the key-side gradient arrays dQ, dKn, dKW are needed
+  // The per-token float32 passes (recurrent backward only; the chunkwise one recomputes them per chunk).
+  b.qn = rec ? take(key) : nullptr;
+  b.kn = rec ? take(key) : nullptr;
   b.rq = take(rows * size_t(a.H));
   b.rk = take(rows * size_t(a.H));
-  b.A = diag ? take(key) : nullptr;
-  b.M = diag ? take(key) : nullptr;
-  const bool rec = b.chunk == nullptr;  // the chunkwise backward keeps its own 16-bit tiles instead
+  b.A = diag && rec ? take(key) : nullptr;
+  b.M = diag && rec ? take(key) : nullptr;
   b.R = rec ? take(val) : nullptr;
   b.dR = rec ? take(val) : nullptr;
   b.S = rec ? take(ckpt) : nullptr;
@@ -30,8 +31,9 @@ size_t bwd_workspace(BwdArgs& b, void* base) {
   b.dQ = keys ? take(vkey) : nullptr;
   b.dKn = keys ? take(vkey) : nullptr;
   b.dKW = keys ? take(vkey) : nullptr;
-  b.dA = diag ? take(key) : nullptr;
-  b.dcen = diag ? take(rows * size_t(a.H)) : nullptr;
+  b.dA = diag && rec ? take(key) : nullptr;
+  // Per-token dcenter terms (recurrent), or per-chunk ones (chunkwise: chunk_bound <= slots).
+  b.dcen = diag ? take((rec ? rows : size_t(b.slots)) * size_t(a.H)) : nullptr;
   const size_t per_chunk = size_t(b.slots) * size_t(a.H) * size_t(b.Kp);
   b.sums = diag ? reinterpret_cast<float2*>(take(2 * per_chunk)) : nullptr;
   b.carry = diag ? take(per_chunk) : nullptr;

@@ -225,8 +225,8 @@ struct TokenTile {
 #pragma unroll
     for (int u = 0; u < NC; ++u) {
       const int e = tid + u * NT, i = e / SL::NCOL, vc = col0 + e % SL::NCOL;
-      col[u] = e < L * SL::NCOL && t0 + i < s.len && vc < a.V ? to_float(cols[at(scols, s.b, s.t0 + t0 + i, hv, vc)])
-                                                              : 0.f;
+      col[u] =
+          e < L * SL::NCOL && t0 + i < s.len && vc < a.V ? to_float(cols[at(scols, s.b, s.t0 + t0 + i, hv, vc)]) : 0.f;
     }
   }
 
@@ -396,8 +396,8 @@ __global__ void __launch_bounds__(kStateWarps * 32) state_rev_kernel(const BwdAr
 }
 
 /// Shared-memory layout of the chunk-gradient kernel (floats): the persistent part (Adq, Adr, gains,
-/// scalar gammas, the boundary term, the last row's H r, per-row and per-row-group partial sums) and a region reused by its two phases:
-/// the value-tile products (dO, R, dR, S_0, H tiles) and the key-side tiles of one 64-channel half.
+/// scalar gammas, the boundary term, the last row's H r, per-row and per-row-group partial sums) and a region reused by
+/// its two phases: the value-tile products (dO, R, dR, S_0, H tiles) and the key-side tiles of one 64-channel half.
 template <int KT>
 struct GradLayout {
   static constexpr int C = kBwdChunk, LC = C + 1;
@@ -612,7 +612,7 @@ __global__ void __launch_bounds__(256, 1) chunk_grad_kernel(const BwdArgs b) {
       }
     }
     __syncthreads();  // sBnd, sLastH complete
-    // Outputs: dqr, dkn = -X2, dkw = b P with the gate-free terms added; db and dγ partial sums.
+                      // Outputs: dqr, dkn = -X2, dkw = b P with the gate-free terms added; db and dγ partial sums.
 #pragma unroll
     for (int ii = 0; ii < 4; ++ii) {
       const int i = 4 * ty + ii;
@@ -675,19 +675,6 @@ __global__ void __launch_bounds__(256, 1) chunk_grad_kernel(const BwdArgs b) {
       store_gate(b.dg, at(b.sdg, s.b, s.t0 + i0 + i, hv), a.gate_dtype, acc);
     }
   }
-}
-
-/// The squash's slopes at A (SPEC §2): dM/dA and dM/dcenter; both 0 where A + eps <= 0.
-__device__ __forceinline__ void squash_slopes(float A, float M, float center, float log_x, float eps, float* dmda,
-                                              float* dmdc) {
-  const float ae = A + eps;
-  if (!(ae > 0.f)) {
-    *dmda = *dmdc = 0.f;
-    return;
-  }
-  const float r = logf(ae) - center, den = 1.f + fabsf(r);
-  *dmdc = M * log_x / (den * den);
-  *dmda = -*dmdc / ae;
 }
 
 /// 6. Per (token row, key head), one warp: the group's key-side gradients summed in order, chained
@@ -796,18 +783,6 @@ __global__ void stats_rev_apply_kernel(const BwdArgs b) {
   }
 }
 
-/// Backward of the L2 norm and scale (SPEC §1) of one row held by a warp (4 channels per lane):
-/// x̂ = x rstd, y = mul x̂: dx = mul rstd (dy - x̂ (x̂·dy)), or mul dy without the norm.
-__device__ __forceinline__ void norm_grad(const float* x, float rstd, const float* dy, float mul, bool norm,
-                                          float* dx) {
-  float dot = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) dot = fmaf(x[j] * rstd, dy[j], dot);
-  dot = norm ? warp_sum(dot) : 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) dx[j] = norm ? mul * rstd * (dy[j] - x[j] * rstd * dot) : mul * dy[j];
-}
-
 /// 8. Per (token row, key head), one warp: dg_p, dbeta_p, the statistics' term of dk, then dq and dk.
 template <class Tin>
 __global__ void __launch_bounds__(128) input_grad_kernel(const BwdArgs b) {
@@ -854,12 +829,13 @@ __global__ void __launch_bounds__(128) input_grad_kernel(const BwdArgs b) {
   }
 }
 
-/// dcenter[h]: the per-token terms summed in a fixed order (strided per thread, then a tree).
-__global__ void __launch_bounds__(256) center_grad_kernel(const BwdArgs b) {
+/// dcenter[h]: the `count` per-token (or, chunkwise, per-chunk) terms summed in a fixed order
+/// (strided per thread, then a tree).
+__global__ void __launch_bounds__(256) center_grad_kernel(const BwdArgs b, int64_t count) {
   __shared__ float part[256];
   const int h = blockIdx.x, tid = threadIdx.x;
   float acc = 0.f;
-  for (int64_t r = tid; r < b.rows; r += 256) acc += b.dcen[r * b.a.H + h];
+  for (int64_t r = tid; r < count; r += 256) acc += b.dcen[r * b.a.H + h];
   part[tid] = acc;
   __syncthreads();
   for (int w = 128; w > 0; w >>= 1) {
@@ -917,26 +893,29 @@ cudaError_t launch_backward(const BwdArgs& b, cudaStream_t st) {
   const RecArgs& a = b.a;
   const bool has_p = a.precond != kPrecondIdentity;
   const unsigned warps = unsigned((b.rows * a.H + 3) / 4);
-  const bool keys = !fused_key_grads(b);  // else the gradient kernel finishes dq, dk and the intra kernel the norms
-  if (warps && keys) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);
+  if (b.chunk) {  // every step chunkwise
+    const cudaError_t e = launch_chunk_backward<Tin>(*b.chunk, b, st);
+    if (e != cudaSuccess) return e;
+    if (has_p && b.dcenter) center_grad_kernel<<<a.H, 256, 0, st>>>(b, b.chunk->chunk_bound);
+    return cudaGetLastError();
+  }
   const dim3 chunks(unsigned(b.slots), a.H), seqs(a.H, a.N);
+  if (warps) norm_kernel<Tin><<<warps, 128, 0, st>>>(b);
   if (has_p) {
     stats_local_kernel<<<chunks, b.Kp, 0, st>>>(b);
     stats_carry_kernel<<<seqs, b.Kp, 0, st>>>(b);
     stats_apply_kernel<<<chunks, b.Kp, 0, st>>>(b);
   }
-  const cudaError_t e = b.chunk         ? launch_chunk_backward<Tin>(*b.chunk, b, st)
-                        : b.Kp == 64    ? launch_backward_k<Tin, 64>(b, st)
-                                        : launch_backward_k<Tin, 128>(b, st);
+  const cudaError_t e = b.Kp == 64 ? launch_backward_k<Tin, 64>(b, st) : launch_backward_k<Tin, 128>(b, st);
   if (e != cudaSuccess) return e;
-  if (warps && keys) key_grad_kernel<<<warps, 128, 0, st>>>(b);
+  if (warps) key_grad_kernel<<<warps, 128, 0, st>>>(b);
   if (has_p) {
     stats_rev_local_kernel<<<chunks, b.Kp, 0, st>>>(b);
     stats_rev_carry_kernel<<<seqs, b.Kp, 0, st>>>(b);
     stats_rev_apply_kernel<<<chunks, b.Kp, 0, st>>>(b);
   }
-  if (warps && keys) input_grad_kernel<Tin><<<warps, 128, 0, st>>>(b);
-  if (has_p && b.dcenter) center_grad_kernel<<<a.H, 256, 0, st>>>(b);
+  if (warps) input_grad_kernel<Tin><<<warps, 128, 0, st>>>(b);
+  if (has_p && b.dcenter) center_grad_kernel<<<a.H, 256, 0, st>>>(b, b.rows);
   return cudaGetLastError();
 }
 

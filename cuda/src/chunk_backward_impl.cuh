@@ -19,7 +19,12 @@
 ///        Pr  = Ed ⊙ (r H^T) + Mq^T Qr - Mr^T Kn + d ⊙ Qr,           dkw = beta ⊙ Pr,  dbeta = rowsum(kw ⊙ Pr),
 ///        dgamma_i = qr_i . dqr_i + kn_i . dkn_i - kw_i . dkw_i (+ sum H ⊙ S_C at the last row) with the
 ///      gate-free terms (d, and the last row's H r) kept out of it, as the float32 backward does; dg
-///      = suffix sums of dgamma.
+///      = suffix sums of dgamma;
+///   4. unless 3 finishes dq and dk itself (Identity preconditioner, no GVA), per (chunk, key head),
+///      thread = channel: `key_local_kernel` and `key_carry_kernel` (diagonal preconditioners) scan dA
+///      in reverse through A_t = e^{g_p,t} A_{t-1} + beta_p,t kn_t^2, chunk-locally then across the
+///      chunks; `key_apply_kernel` sums the group's key-side gradients, chains them through M, applies
+///      the scanned dA (dk, dg_p, dbeta_p, dcenter's per-chunk part) and the L2 norm's backward.
 #pragma once
 
 #include "backward.cuh"
@@ -187,13 +192,11 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
 #pragma unroll
       for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          f(H[mt][nt][e], acc_row(sr0 + 16 * mt, e), v0 + acc_col(sc0 + 8 * nt, e));
+        for (int e = 0; e < 4; ++e) f(H[mt][nt][e], acc_row(sr0 + 16 * mt, e), v0 + acc_col(sc0 + 8 * nt, e));
   };
   each_state([&](float& x, int row, int col) {
-    x = (bw.dhT && row < a.K && col < a.V)
-            ? bw.dhT[int64_t(n) * bw.sdhT[0] + hv * bw.sdhT[1] + row * bw.sdhT[2] + col]
-            : 0.f;
+    x = (bw.dhT && row < a.K && col < a.V) ? bw.dhT[int64_t(n) * bw.sdhT[0] + hv * bw.sdhT[1] + row * bw.sdhT[2] + col]
+                                           : 0.f;
     sH[row * LDV + col - v0] = from_float<Op>(x);
   });
   Tin* dv = static_cast<Tin*>(bw.dv);
@@ -430,7 +433,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   }
   const float gL = s_gam[L - 1];
   cp_wait<0>();
-  __syncthreads();  // the key tiles
+  __syncthreads();                                                      // the key tiles
   scale_rows<KP>(sKWb, sKW, LDK, C, [&](int r) { return s_beta[r]; });  // Diag(beta) KW
   // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
 #pragma unroll
@@ -474,7 +477,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
   }
   const float hs = a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
-  __syncthreads();  // Mq, -Mr and the diagonal complete
+  __syncthreads();                                                    // Mq, -Mr and the diagonal complete
 
   // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn.
 #pragma unroll 1
@@ -602,7 +605,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     // Lane l owns rows 2l, 2l + 1: the boundary term (e^{gamma_L} Σ H ⊙ S_0 + Σ_{i < L-1} beta_i rho_i)
     // by a fixed shuffle tree, then dg_i = boundary + Σ_{j >= i} dgamma_j by a reverse lane scan.
     const int i0 = 2 * lane, i1 = i0 + 1;
-    float b = (i0 < L - 1 ? s_beta[i0] * row_sum(s_rho, i0) : 0.f) + (i1 < L - 1 ? s_beta[i1] * row_sum(s_rho, i1) : 0.f);
+    float b =
+        (i0 < L - 1 ? s_beta[i0] * row_sum(s_rho, i0) : 0.f) + (i1 < L - 1 ? s_beta[i1] * row_sum(s_rho, i1) : 0.f);
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) b += __shfl_xor_sync(0xffffffffu, b, d);
     const float bnd = fmaf(__expf(gL), hs, b);
@@ -616,6 +620,309 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     const float a1 = bnd + suf - r0, a0 = bnd + suf;  // rows i1 and i0
     if (i1 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i1, hv), a.gate_dtype, a1);
     if (i0 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i0, hv), a.gate_dtype, a0);
+  }
+}
+
+/// The squash M (SPEC §2) and its slopes dM/dA, dM/dcenter at A, with fast intrinsics (one log, one
+/// exp); M = x and both slopes 0 where A + eps is not positive.
+__device__ __forceinline__ float squash_grad_fast(float A, float center, float log_x, float eps, float* dmda,
+                                                  float* dmdc) {
+  const float ae = A + eps;
+  if (!(ae > 0.f)) {
+    *dmda = *dmdc = 0.f;
+    return __expf(log_x);
+  }
+  const float r = __logf(ae) - center, inv = __fdividef(1.f, 1.f + fabsf(r));
+  const float M = __expf(-log_x * r * inv);
+  *dmdc = M * log_x * inv * inv;
+  *dmda = -__fdividef(*dmdc, ae);
+  return M;
+}
+
+/// Rows of a sub-chunk of the key-gradient kernels (their per-row values live in registers and
+/// shared memory one sub-chunk at a time).
+constexpr int kKeySub = 16;
+
+/// Shared per-row inputs of the key-gradient kernels: e^{g_p}, beta_p, and the inverse norms of q, k.
+struct KeyRows {
+  float gp[C], bp[C], rq[C], rk[C];
+};
+
+/// Loads the chunk's per-row inputs (rows past L: e^{g_p} = 1, beta_p = 0) with threads 0 .. C - 1.
+__device__ __forceinline__ void load_key_rows(KeyRows& s, const ChunkArgs& ca, const BwdArgs& bw, const ChunkPos& p,
+                                              int h, int64_t row0) {
+  const RecArgs& a = ca.a;
+  const int i = threadIdx.x;
+  if (i >= C) return;
+  const bool ok = i < p.L, has_p = a.precond != kPrecondIdentity;
+  const int64_t t = p.t0 + i;
+  s.gp[i] = ok && has_p ? expf(load_gate(a.g_p, at3(a.sgp, p.b, t, h), a.gate_dtype)) : 1.f;
+  s.bp[i] = ok && has_p ? load_gate(a.beta_p, at3(a.sbp, p.b, t, h), a.gate_dtype) : 0.f;
+  s.rq[i] = ok ? bw.rq[(row0 + i) * a.H + h] : 0.f;
+  s.rk[i] = ok ? bw.rk[(row0 + i) * a.H + h] : 0.f;
+}
+
+/// Thread c's view of one chunk (channel c, key head h): the normalised keys and queries and the
+/// sums over the group's value heads of the key-side gradients, a sub-chunk of rows at a time, and the
+/// statistics A at the sub-chunks' starts.
+template <class Tin>
+struct KeyChannel {
+  const RecArgs& a;
+  const BwdArgs& bw;
+  const KeyRows& s;
+  int L;
+  bool ok;             ///< c < K
+  const Tin *kp, *qp;  ///< channel c of the chunk's first row of k, q
+  int64_t goff;        ///< offset of element (first row, first value head of the group, c) of dQ, dKn, dKW
+  int64_t ks, qs, gs;  ///< row strides of k, q and the gradient arrays
+
+  __device__ KeyChannel(const RecArgs& a_, const BwdArgs& bw_, const KeyRows& s_, const ChunkPos& p, int h, int c,
+                        int64_t row0)
+      : a(a_), bw(bw_), s(s_), L(p.L), ok(c < a_.K) {
+    kp = static_cast<const Tin*>(a.k) + at3(a.sk, p.b, p.t0, h) + c;
+    qp = static_cast<const Tin*>(a.q) + at3(a.sq, p.b, p.t0, h) + c;
+    ks = a.sk[1], qs = a.sq[1], gs = int64_t(a.HV) * bw.Kp;
+    goff = (row0 * a.HV + int64_t(h) * a.group) * bw.Kp + c;
+  }
+  /// Normalised keys (queries times scale) of the sub-chunk's rows i0 .. i0 + kKeySub - 1 (0 past L),
+  /// all loads issued before any is used.
+  __device__ void keys(int i0, float* x) const {
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) x[u] = ok && i0 + u < L ? to_float(kp[(i0 + u) * ks]) : 0.f;
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) x[u] *= i0 + u < L ? s.rk[i0 + u] : 0.f;
+  }
+  __device__ void queries(int i0, float* x) const {
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) x[u] = ok && i0 + u < L ? to_float(qp[(i0 + u) * qs]) : 0.f;
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) x[u] *= i0 + u < L ? s.rq[i0 + u] * a.scale : 0.f;
+  }
+  /// Sums over the group's value heads (fixed order) of a [rows, HV, Kp] gradient for the sub-chunk.
+  __device__ void group_sums(const float* arr, int i0, float* x) const {
+    const float* base = arr + goff;
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) x[u] = ok && i0 + u < L ? base[(i0 + u) * gs] : 0.f;
+    for (int g = 1; g < a.group; ++g)
+#pragma unroll
+      for (int u = 0; u < kKeySub; ++u) x[u] += ok && i0 + u < L ? base[(i0 + u) * gs + g * bw.Kp] : 0.f;
+  }
+  /// The statistics before each sub-chunk, from the chunk's entry value (SPEC §2).
+  __device__ void stats_starts(float A, float* start) const {
+#pragma unroll
+    for (int sb = 0; sb < C / kKeySub; ++sb) {
+      start[sb] = A;
+      float k[kKeySub];
+      keys(sb * kKeySub, k);
+#pragma unroll
+      for (int u = 0; u < kKeySub; ++u) A = fmaf(s.gp[sb * kKeySub + u], A, s.bp[sb * kKeySub + u] * k[u] * k[u]);
+    }
+  }
+};
+
+/// Key gradients with a diagonal preconditioner, 1 of 3 (per chunk, key head; thread = channel): the
+/// chunk's reverse scan of dA (through A_t = e^{g_p,t} A_{t-1} + beta_p,t kn_t^2) from a zero carry,
+/// as (decay product, value at the chunk's start).
+template <class Tin>
+__global__ void __launch_bounds__(kThreads) key_local_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  __shared__ KeyRows s;
+  const int64_t gc = blockIdx.x;
+  const int h = blockIdx.y, c = threadIdx.x;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) return;
+  const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
+  load_key_rows(s, ca, bw, p, h, row0);
+  __syncthreads();
+  const KeyChannel<Tin> kc(a, bw, s, p, h, c, row0);
+  const bool atk = a.precond == kPrecondATK;
+  const float center = load_gate(a.center, h, a.gate_dtype);
+  float start[C / kKeySub];
+  kc.stats_starts(kc.ok ? ca.Ain[(gc * a.H + h) * KP + c] : 0.f, start);
+  float P = 1.f, carry = 0.f;
+#pragma unroll 1
+  for (int sb = C / kKeySub - 1; sb >= 0; --sb) {
+    const int i0 = sb * kKeySub;
+    float k[kKeySub], x[kKeySub], dl[kKeySub];
+    kc.keys(i0, k);
+    if (atk) {
+      kc.group_sums(bw.dKW, i0, x);  // dM = dkw kn
+#pragma unroll
+      for (int u = 0; u < kKeySub; ++u) x[u] *= k[u];
+    } else {
+      float q[kKeySub];
+      kc.group_sums(bw.dQ, i0, x);  // dM = dqr qn
+      kc.queries(i0, q);
+#pragma unroll
+      for (int u = 0; u < kKeySub; ++u) x[u] *= q[u];
+    }
+    float A = start[sb];
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) {
+      const int i = i0 + u;
+      A = fmaf(s.gp[i], A, s.bp[i] * k[u] * k[u]);
+      float dmda, dmdc;
+      squash_grad_fast(A, center, a.log_x, a.eps, &dmda, &dmdc);
+      dl[u] = i < p.L && kc.ok ? x[u] * dmda : 0.f;
+    }
+#pragma unroll
+    for (int u = kKeySub - 1; u >= 0; --u) {
+      const float gp = s.gp[i0 + u];  // 1 past L
+      carry = gp * (dl[u] + carry);
+      P *= gp;
+    }
+  }
+  if (c < bw.Kp) bw.sums[(gc * a.H + h) * bw.Kp + c] = make_float2(P, carry);
+}
+
+/// Key gradients, 2 of 3 (per sequence, key head; thread = channel): the carry of dA entering each
+/// chunk from its future (daT at the end), in reverse chunk order, and da0.
+__global__ void key_carry_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  const int h = blockIdx.x, n = blockIdx.y, c = threadIdx.x;
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  float X = (bw.daT && c < a.K) ? bw.daT[n * bw.sdaT[0] + h * bw.sdaT[1] + c] : 0.f;
+  for (int64_t k = count - 1; k >= 0; --k) {
+    const int64_t e = ((first + k) * a.H + h) * bw.Kp + c;
+    bw.carry[e] = X;
+    const float2 pc = bw.sums[e];
+    X = fmaf(pc.x, X, pc.y);
+  }
+  if (bw.da0 && c < a.K) bw.da0[n * bw.sda0[0] + h * bw.sda0[1] + c] = X;
+}
+
+/// Key gradients, 3 of 3 (per chunk, key head): the group's key-side gradients summed, chained
+/// through the preconditioner's M (dkn += dkw M for ATK, dqn = dqr M for ATQ), the scanned dA with
+/// the carry from the chunk's future, its terms of dk, dg_p, dbeta_p and dcenter, and the L2 norm's
+/// backward to dq, dk. Also runs without a preconditioner (GVA: the group sums and the norm).
+/// Sub-chunk by sub-chunk from the last: threads own channels for the scan, then warps own rows for
+/// the row sums (fixed order) and the norm.
+template <class Tin>
+__global__ void __launch_bounds__(kThreads) key_apply_kernel(const ChunkArgs ca, const BwdArgs bw) {
+  const RecArgs& a = ca.a;
+  constexpr int LD = KP + 1;
+  __shared__ KeyRows s;
+  __shared__ float sDk[kKeySub][LD], sDq[kKeySub][LD], sTg[kKeySub][LD], sTb[kKeySub][LD];
+  __shared__ float s_red[kThreads];
+  const int64_t gc = blockIdx.x;
+  const int h = blockIdx.y, c = threadIdx.x, lane = c & 31, warp = c >> 5;
+  const ChunkPos p = chunk_pos(ca, gc);
+  if (p.n < 0) {  // a slot past the packed batch: a zero part of dcenter
+    if (c == 0 && bw.dcen) bw.dcen[gc * a.H + h] = 0.f;
+    return;
+  }
+  const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
+  load_key_rows(s, ca, bw, p, h, row0);
+  __syncthreads();
+  const KeyChannel<Tin> kc(a, bw, s, p, h, c, row0);
+  const bool has_p = a.precond != kPrecondIdentity, atk = a.precond == kPrecondATK;
+  const float center = has_p ? load_gate(a.center, h, a.gate_dtype) : 0.f;
+  float start[C / kKeySub];
+  if (has_p) kc.stats_starts(kc.ok ? ca.Ain[(gc * a.H + h) * KP + c] : 0.f, start);
+  float carry = has_p && c < bw.Kp ? bw.carry[(gc * a.H + h) * bw.Kp + c] : 0.f, dcen = 0.f;
+#pragma unroll 1
+  for (int sb = C / kKeySub - 1; sb >= 0; --sb) {
+    const int i0 = sb * kKeySub;
+    // Channel c, forward over the sub-chunk: the group sums, A_i, M_i and the local dA.
+    float k[kKeySub], dkw[kKeySub], dkn[kKeySub], dq[kKeySub], dl[kKeySub], Ai[kKeySub];
+    kc.group_sums(bw.dKW, i0, dkw);
+    kc.group_sums(bw.dKn, i0, dkn);
+    kc.group_sums(bw.dQ, i0, dq);
+    if (has_p) kc.keys(i0, k);
+    float q[kKeySub];
+    if (has_p && !atk) kc.queries(i0, q);
+    float A = has_p ? start[sb] : 0.f;
+#pragma unroll
+    for (int u = 0; u < kKeySub; ++u) {
+      const int i = i0 + u;
+      dl[u] = Ai[u] = 0.f;
+      if (has_p) {
+        A = fmaf(s.gp[i], A, s.bp[i] * k[u] * k[u]);
+        float dmda, dmdc;
+        const float M = squash_grad_fast(A, center, a.log_x, a.eps, &dmda, &dmdc);
+        const float dM = i < p.L && kc.ok ? (atk ? dkw[u] * k[u] : dq[u] * q[u]) : 0.f;
+        if (atk)
+          dkn[u] = fmaf(dkw[u], M, dkn[u]);
+        else
+          dkn[u] += dkw[u], dq[u] *= M;
+        dl[u] = dM * dmda;
+        dcen = fmaf(dM, dmdc, dcen);
+        Ai[u] = A;
+      } else {
+        dkn[u] += dkw[u];
+      }
+    }
+    // Channel c, backward over the sub-chunk: the scanned dA and its terms.
+#pragma unroll
+    for (int u = kKeySub - 1; u >= 0; --u) {
+      const int i = i0 + u;
+      float tg = 0.f, tb = 0.f;
+      if (has_p && i < p.L) {
+        const float abar = dl[u] + carry, Aprev = u > 0 ? Ai[u - 1] : start[sb];
+        tg = s.gp[i] * abar * Aprev;
+        tb = abar * k[u] * k[u];
+        dkn[u] = fmaf(2.f * s.bp[i] * k[u], abar, dkn[u]);
+        carry = s.gp[i] * abar;
+      }
+      sDk[u][c] = dkn[u];
+      sDq[u][c] = dq[u];
+      sTg[u][c] = tg;
+      sTb[u][c] = tb;
+    }
+    __syncthreads();
+    // Warp w, rows 4w .. 4w + 3 of the sub-chunk: dg_p, dbeta_p, then the norm's backward to dq, dk.
+    constexpr int RPW = kKeySub / 4;
+    float qr[RPW][4], kr[RPW][4];
+#pragma unroll
+    for (int v = 0; v < RPW; ++v) {  // raw q, k rows: every load first
+      const int i = i0 + warp * RPW + v;
+      const int64_t t = p.t0 + i;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int ch = lane + 32 * j;
+        const bool ok = ch < a.K && i < p.L;
+        qr[v][j] = ok ? to_float(static_cast<const Tin*>(a.q)[at3(a.sq, p.b, t, h) + ch]) : 0.f;
+        kr[v][j] = ok ? to_float(static_cast<const Tin*>(a.k)[at3(a.sk, p.b, t, h) + ch]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < RPW; ++v) {
+      const int u = warp * RPW + v, i = i0 + u;
+      if (i >= p.L) continue;
+      const int64_t t = p.t0 + i;
+      float dqn[4], dknr[4], dqo[4], dko[4], tg = 0.f, tb = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int ch = lane + 32 * j;
+        dqn[j] = sDq[u][ch], dknr[j] = sDk[u][ch];
+        tg += sTg[u][ch], tb += sTb[u][ch];
+      }
+      if (has_p) {
+        tg = warp_sum(tg), tb = warp_sum(tb);
+        if (lane == 0 && bw.dgp) store_gate(bw.dgp, at3(bw.sdgp, p.b, t, h), a.gate_dtype, tg);
+        if (lane == 0 && bw.dbp) store_gate(bw.dbp, at3(bw.sdbp, p.b, t, h), a.gate_dtype, tb);
+      }
+      norm_grad(qr[v], s.rq[i], dqn, a.scale, a.l2norm, dqo);
+      norm_grad(kr[v], s.rk[i], dknr, 1.f, a.l2norm, dko);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int ch = lane + 32 * j;
+        if (ch >= a.K) continue;
+        if (bw.dq) static_cast<Tin*>(bw.dq)[at3(bw.sdq, p.b, t, h) + ch] = from_float<Tin>(dqo[j]);
+        if (bw.dk) static_cast<Tin*>(bw.dk)[at3(bw.sdk, p.b, t, h) + ch] = from_float<Tin>(dko[j]);
+      }
+    }
+    __syncthreads();
+  }
+  if (has_p) {  // this chunk's part of dcenter (center_grad_kernel sums the chunks' parts)
+    s_red[c] = dcen;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w >>= 1) {
+      if (c < w) s_red[c] += s_red[c + w];
+      __syncthreads();
+    }
+    if (c == 0) bw.dcen[gc * a.H + h] = s_red[0];
   }
 }
 
@@ -656,6 +963,14 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   static const cudaError_t set_grad = allow_smem(bwd_grad_kernel<Tin, Op>, bwd_grad_smem_bytes());
   if (set_grad != cudaSuccess) return set_grad;
   bwd_grad_kernel<Tin, Op><<<tiles, kGradThreads, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  if (fused_key_grads(bw)) return cudaGetLastError();
+  // The key gradients per chunk: preconditioner chain, statistics' reverse scan, L2 norm.
+  const dim3 keys(static_cast<unsigned>(ca.chunk_bound), a.H);
+  if (a.precond != kPrecondIdentity) {
+    key_local_kernel<Tin><<<keys, kThreads, 0, stream>>>(ca, bw);
+    key_carry_kernel<<<dim3(a.H, a.N), bw.Kp, 0, stream>>>(ca, bw);
+  }
+  key_apply_kernel<Tin><<<keys, kThreads, 0, stream>>>(ca, bw);
   return cudaGetLastError();
 }
 

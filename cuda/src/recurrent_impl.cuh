@@ -54,6 +54,19 @@ __device__ __forceinline__ float squash(float A, float center, float log_x, floa
   return expf(-log_x * (r / (1.f + fabsf(r))));
 }
 
+/// The squash's slopes at A (SPEC §2): dM/dA and dM/dcenter; both 0 where A + eps <= 0.
+__device__ __forceinline__ void squash_slopes(float A, float M, float center, float log_x, float eps, float* dmda,
+                                              float* dmdc) {
+  const float ae = A + eps;
+  if (!(ae > 0.f)) {
+    *dmda = *dmdc = 0.f;
+    return;
+  }
+  const float r = logf(ae) - center, den = 1.f + fabsf(r);
+  *dmdc = M * log_x / (den * den);
+  *dmda = -*dmdc / ae;
+}
+
 template <int KS>
 __device__ __forceinline__ float reduce_parts(float x) {
   constexpr int VT = 32 / KS;
@@ -68,6 +81,18 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+/// Backward of the L2 norm and scale (SPEC §1) of one row held by a warp (4 channels per lane):
+/// x̂ = x rstd, y = mul x̂: dx = mul rstd (dy - x̂ (x̂·dy)), or mul dy without the norm.
+__device__ __forceinline__ void norm_grad(const float* x, float rstd, const float* dy, float mul, bool norm,
+                                          float* dx) {
+  float dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) dot = fmaf(x[j] * rstd, dy[j], dot);
+  dot = norm ? warp_sum(dot) : 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) dx[j] = norm ? mul * rstd * (dy[j] - x[j] * rstd * dot) : mul * dy[j];
+}
+
 /// Staged tokens per block.
 constexpr int kStage = 16;
 
@@ -75,20 +100,22 @@ constexpr int kStage = 16;
 /// so that the KS parts of a column read different banks. Only the vectors a model needs are present.
 template <int KT, int KS>
 struct StageLayout {
-  static constexpr int R = KT / KS;     // state rows per thread
-  static constexpr int RP = R + 4;      // padded rows of one part
-  static constexpr int KP = KS * RP;    // padded length of one staged vector
+  static constexpr int R = KT / KS;   // state rows per thread
+  static constexpr int RP = R + 4;    // padded rows of one part
+  static constexpr int KP = KS * RP;  // padded length of one staged vector
   static constexpr int L = kStage;
   /// Bytes of dynamic shared memory: k and q always, kw for DiagonalATK, exp(g) for Diagonal decay.
-  static size_t bytes(bool atk, bool diag) { return sizeof(float) * size_t(L) * KP * (2 + (atk ? 1 : 0) + (diag ? 1 : 0)); }
+  static size_t bytes(bool atk, bool diag) {
+    return sizeof(float) * size_t(L) * KP * (2 + (atk ? 1 : 0) + (diag ? 1 : 0));
+  }
 };
 
 template <class Tin, int KT, int KS>
 __global__ void __launch_bounds__(32) recurrent_kernel(const RecArgs a) {
   using Lay = StageLayout<KT, KS>;
   constexpr int R = Lay::R, RP = Lay::RP, KP = Lay::KP, L = Lay::L;
-  constexpr int VT = 32 / KS;      // value columns per warp
-  constexpr int CPL = KT / 32;     // channels per lane in the cooperative phases
+  constexpr int VT = 32 / KS;   // value columns per warp
+  constexpr int CPL = KT / 32;  // channels per lane in the cooperative phases
   extern __shared__ __align__(16) float smem[];
   // Raw (not yet normalised) k and q of the staged tokens; kw = k ⊙ M normalised (DiagonalATK);
   // exp(g) per channel (Diagonal decay).
@@ -157,8 +184,8 @@ __global__ void __launch_bounds__(32) recurrent_kernel(const RecArgs a) {
       s_dec[lane] = a.decay == kDecayScalar
                         ? expf(load_gate(a.g, b * a.sg[0] + tok * a.sg[1] + hv * a.sg[2], a.gate_dtype))
                         : 1.f;
-      s_beta[lane] = a.beta ? load_gate(a.beta, b * a.sbeta[0] + tok * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype)
-                            : 1.f;
+      s_beta[lane] =
+          a.beta ? load_gate(a.beta, b * a.sbeta[0] + tok * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype) : 1.f;
       if (has_p) {
         s_gp[lane] = expf(load_gate(a.g_p, b * a.sgp[0] + tok * a.sgp[1] + h * a.sgp[2], a.gate_dtype));
         s_bp[lane] = load_gate(a.beta_p, b * a.sbp[0] + tok * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
