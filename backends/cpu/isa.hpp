@@ -8,11 +8,11 @@
 namespace dgps::cpu::kernels {
 
 /// One instruction set's compiled kernels. Each task is independent; tasks are numbered
-/// (n * HV + hv) * vsplit + value-column block (chunkwise forward) or n * H + h (decode, one task
-/// per key-head group; also the chunkwise backward).
+/// (n * ceil(HV / group) + hv / group) * vsplit + value-column block (chunkwise forward: value heads
+/// in groups of `group`) or n * H + h (decode, one task per key-head group; also the chunkwise backward).
 struct IsaKernels {
   const char* name;
-  void (*chunk_task)(const KernelParams&, int64_t task, int64_t vsplit);
+  void (*chunk_task)(const KernelParams&, int64_t task, int64_t vsplit, int64_t group);
   void (*decode_task)(const KernelParams&, int64_t task);
   /// Chunkwise backward of one (sequence, key head) group, task n * H + h; stores the group's
   /// dcenter term in `*dcenter` (0 without a diagonal preconditioner).

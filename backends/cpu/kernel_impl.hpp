@@ -392,6 +392,17 @@ void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B,
 
 // ---------------------------------------------------------------------------------------------
 
+/// Row stride (elements) for scratch matrices of n-element rows (n a multiple of the vector length):
+/// n, plus one cache line when the rows would span an even number of lines. Rows a power-of-two
+/// number of lines apart map to a fraction of L1's sets (a 128 x 128 float state's 32-column panel,
+/// 256 lines, onto 16 of 64 sets: more lines per set than L1 has ways), so the products streaming a
+/// panel of such a matrix would reload it from L2.
+template <class T>
+inline int64_t padded_ld(int64_t n) {
+  const int64_t bytes = n * int64_t(sizeof(T));
+  return bytes % 64 == 0 && (bytes / 64) % 2 == 0 ? n + 64 / int64_t(sizeof(T)) : n;
+}
+
 /// A zero-initialised, 64-byte aligned scratch block owned by one task.
 template <class T>
 struct Scratch {
@@ -869,23 +880,28 @@ struct Setup {
 /// Sub-block rows of the diagonal-decay intra-chunk matrices (a multiple of every vector length).
 constexpr int64_t kSub = 16;
 
-/// Chunkwise forward of task `task` (SPEC §4): value head hv of sequence n, columns block vb of vsplit.
+/// Chunkwise forward of task `task` (SPEC §4): the value heads [hv0, hv0 + nh) of sequence n (groups of
+/// `group` heads), columns block vb of vsplit. The group's heads advance chunk by chunk together: the
+/// rows of one token's heads are adjacent in the [B,T,H,K] inputs, so a chunk of the group reads
+/// whole runs of lines (that the hardware prefetchers fetch ahead) where one head alone reads 512
+/// bytes of every 8 KB at H = 16, K = 128 (one head at a time was ~15% slower).
 /// Per chunk, rows i < c: R = (I + Akk)^{-1} (Diag(beta) V - Kd S_in) (offline: Diag(beta) V), O = Qd S_in +
 /// Aqk R, S_out = Diag(e^{gamma_C}) S_in + KWdT R, with Kd = beta ⊙ e^gamma ⊙ K, Qd = e^gamma ⊙ Qr and
 /// KWdT = (KW ⊙ e^{gamma_C - gamma})^T.
 template <class T, class In = T>
-void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
+void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t group) {
   const Setup<T, In> s(p);
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   // The recurrence never mixes value columns: with fewer (sequence, head) pairs than threads the
   // V columns are split into `vsplit` blocks, each a task of its own ([v0, v1), a multiple of L wide).
+  const int64_t ng = (p.HV + group - 1) / group;  // head groups per sequence
   const int64_t pair = task / vsplit, vb = task % vsplit;
-  const int64_t n = pair / p.HV, hv = pair % p.HV, h = hv / s.r;
+  const int64_t n = pair / ng, hv0 = pair % ng * group, nh = imin(group, p.HV - hv0);
   const int64_t vw = round_up((p.V + vsplit - 1) / vsplit, L);
   const int64_t v0 = imin(p.V, vb * vw), v1 = imin(p.V, v0 + vw);
   const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
-  const int64_t K = s.K, Vd = v1 - v0, Kp = s.Kp, Vp = round_up(Vd, L);
+  const int64_t K = s.K, Vd = v1 - v0, Kp = s.Kp, Vp = round_up(Vd, L), ldv = padded_ld<T>(Vp);
   // A sequence shorter than the chunk is one chunk of its own length (smaller scratch).
   const int64_t C = imin(p.chunk < 1 ? 1 : p.chunk, len < 1 ? 1 : len);
   const int64_t Cp = round_up(C, L);
@@ -894,23 +910,22 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   // Scratch: the thread's reused block, zeroed once per task (padding lanes and columns stay zero).
   // Stg stages rows for a transpose: the squash M (step 2), then KW ⊙ e^{gamma_C - gamma} (step 3),
   // then the sub-block keys of diagonal decay (step 6). RO is [R; O]: the pseudo-values, then the outputs.
-  // Training cache (KernelParams::saved), when saving: this task's first chunk block; Bu gets the
-  // unscaled key products (Akk / beta), Pk the chunk's packed [Aqk lower | Bu^T upper] block.
-  T* sv = nullptr;
-  if (p.saved && p.save)
-    sv = static_cast<T*>(p.saved) + (p.saved_chunk0[n] * p.HV + hv * ((len + C - 1) / C)) * p.saved_block;
-  const bool save_p = sv && vb == 0;  // the value-column blocks share the intra-chunk matrices
-  const int64_t nS = K * Vp, nA = Kp, nKQ = 2 * C * Kp, nStg = C * Kp, nKW = C * Kp, nGam = C * Kp, nBeta = Cp,
-                nAQ = 2 * C * Kp, nKWT = Kp * Cp, nRO = 2 * C * Vp, nP = 2 * C * Cp, nTmp = 2 * (Kp + Cp),
-                nLQ = diag ? 2 * kSub * Kp : 0, nPb = diag ? 2 * kSub * Cp : 0,
-                nBu = save_p && s.online ? C * Cp : 0, nPk = save_p ? C * p.saved_pld : 0;
+  // Each head of the group has its own state S and statistics A. Training cache (KernelParams::saved),
+  // when saving: Bu gets the unscaled key products (Akk / beta), Pk the chunk's packed [Aqk lower |
+  // Bu^T upper] block.
+  const bool saving = p.saved && p.save;
+  const bool save_p = saving && vb == 0;  // the value-column blocks share the intra-chunk matrices
+  const int64_t nS = K * ldv, nA = Kp, nKQ = 2 * C * Kp, nStg = C * Kp, nKW = C * Kp, nGam = C * Kp, nBeta = Cp,
+                nAQ = 2 * C * Kp, nKWT = Kp * Cp, nRO = 2 * C * ldv, nP = 2 * C * Cp, nTmp = 2 * (Kp + Cp),
+                nLQ = diag ? 2 * kSub * Kp : 0, nPb = diag ? 2 * kSub * Cp : 0, nBu = save_p && s.online ? C * Cp : 0,
+                nPk = save_p ? C * p.saved_pld : 0;
   const int64_t total =
-      nS + nA + nKQ + nStg + nKW + nGam + nBeta + nAQ + 2 * nKWT + nRO + nP + nTmp + nLQ + nPb + nBu + nPk;
+      nh * (nS + nA) + nKQ + nStg + nKW + nGam + nBeta + nAQ + 2 * nKWT + nRO + nP + nTmp + nLQ + nPb + nBu + nPk;
   const ScratchLease<T> mem(total);
   std::memset(static_cast<void*>(mem.get()), 0, size_t(total) * sizeof(T));
-  T* S = mem.get();
-  T* A = S + nS;
-  T* KQ = A + nA;
+  T* Sg = mem.get();     // the group's states, nS each
+  T* Ag = Sg + nh * nS;  // the group's statistics, nA each
+  T* KQ = Ag + nh * nA;
   T* Stg = KQ + nKQ;
   T* KWb = Stg + nStg;
   T* Gam = KWb + nKW;
@@ -926,46 +941,65 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
   T* Bu = nBu ? Pb + nPb : nullptr;
   T* Pk = Pb + nPb + nBu;
 
-  if (p.h0.data) {
-    const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
-    for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * Vp, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
-  }
-  const T ctr = s.diag_pre ? s.center(h) : T(0);
-  if (s.diag_pre && p.a0.data) {
-    const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
-    for (int64_t c = 0; c < K; ++c) A[c] = a0[c];
+  for (int64_t j = 0; j < nh; ++j) {
+    const int64_t hv = hv0 + j, h = hv / s.r;
+    if (p.h0.data) {
+      const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
+      for (int64_t c = 0; c < K; ++c)
+        std::memcpy(Sg + j * nS + c * ldv, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+    }
+    if (s.diag_pre && p.a0.data) {
+      const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+      for (int64_t c = 0; c < K; ++c) Ag[j * nA + c] = a0[c];
+    }
   }
   const V iota = iota_v<T>();
 
-  // A saving forward writes the training cache from inside the chunk's products (Trickle; `steps` is
-  // the number of step() calls of the previous chunk). The next chunk's input rows are prefetched in
-  // step 1 (measured as fast as spreading them too).
+  // Memory traffic is spread over the chunk's products (Trickle; `steps` is the number of step() calls
+  // of the previous chunk): prefetches of the next chunk's input rows and of its output rows (for
+  // writing), and a saving forward's copies into the training cache. The rows of one head are a
+  // whole token's stride apart (8 KB at H = 16, K = 128): prefetched in one burst, or not ahead for
+  // writing, loading and storing them took about a third of the chunk's time.
   Trickle<T> tr;
   int64_t steps = 160;
-  for (int64_t cs = 0; cs < len; cs += C) {
+  // Queues the prefetch into L2 of `rows` rows of n elements from x on, `ts` elements apart (whole lines).
+  const auto prefetch_rows = [&tr](const auto* x, int64_t ts, int64_t rows, int64_t n, bool write) {
+    const int64_t mis = int64_t(reinterpret_cast<uintptr_t>(x) & 63);
+    tr.prefetch(reinterpret_cast<const char*>(x) - mis, ts * int64_t(sizeof(*x)), rows, n * int64_t(sizeof(*x)) + mis,
+                write);
+  };
+  // Chunk [cs, cs + c) of head hv0 + j; (jn, csn) is the head and chunk that come next (prefetched).
+  const auto chunk = [&](int64_t j, int64_t cs, int64_t jn, int64_t csn) {
+    const int64_t hv = hv0 + j, h = hv / s.r, hvn = hv0 + jn, hn = hvn / s.r;
+    T* S = Sg + j * nS;
+    T* A = Ag + j * nA;
+    const T ctr = s.diag_pre ? s.center(h) : T(0);
+    // This head's first chunk block of the training cache.
+    T* sv = saving ? static_cast<T*>(p.saved) + (p.saved_chunk0[n] * p.HV + hv * ((len + C - 1) / C)) * p.saved_block
+                   : nullptr;
     const int64_t c = imin(C, len - cs);
     T* Kn = KQ;           // read keys, rows [0, c)
     T* Qr = KQ + c * Kp;  // read queries, rows [c, 2c)
     T* R = RO;            // rows [0, c)
-    T* O = RO + c * Vp;   // rows [c, 2c)
+    T* O = RO + c * ldv;  // rows [c, 2c)
     T* blk = sv ? sv + (cs / C) * p.saved_block : nullptr;  // this chunk's block of the training cache
-    const int job_s = blk ? tr.copy(blk + v0, p.saved_ld, S, Vp, K, Vp) : -1;  // S_in, before step 8
-    if (blk) tr.plan(steps, int64_t(sizeof(T)) * c * ((s.online ? Vp : 0) + (save_p ? p.saved_pld : 0)));
-    Trickle<T>* trp = blk ? &tr : nullptr;  // only a saving forward has copies to spread
+    const int job_s = blk ? tr.copy(blk + v0, p.saved_ld, S, ldv, K, Vp) : -1;  // S_in, before step 8
+    if (const int64_t tn = t0 + csn, cn = imin(C, len - csn); cn > 0) {
+      prefetch_rows(s.qrow(b, tn, hn), p.q.stride[1], cn, K, false);
+      prefetch_rows(s.krow(b, tn, hn), p.k.stride[1], cn, K, false);
+      prefetch_rows(s.vrow(b, tn, hvn) + v0, p.v.stride[1], cn, Vd, false);
+      if (diag) prefetch_rows(s.grow(b, tn, hvn), p.g.stride[1], cn, K, false);
+      prefetch_rows(s.orow(b, tn, hvn) + v0, p.o.stride[1], cn, Vd, true);
+    }
+    tr.plan(steps, blk ? int64_t(sizeof(T)) * c * ((s.online ? Vp : 0) + (save_p ? p.saved_pld : 0)) : 0);
     // 1. Load and normalise (SPEC §1); R_i = beta_i V_i; chunk-local cumulative gates gamma (SPEC §4).
     for (int64_t i = 0; i < c; ++i) {
       const int64_t t = t0 + cs + i;
-      if (cs + c + i < len) {
-        prefetch(s.qrow(b, t + c, h), K * int64_t(sizeof(In)));
-        prefetch(s.krow(b, t + c, h), K * int64_t(sizeof(In)));
-        prefetch(s.vrow(b, t + c, hv) + v0, Vd * int64_t(sizeof(In)));
-        if (diag) prefetch(s.grow(b, t + c, hv), K * int64_t(sizeof(In)));
-      }
       load_row(s.qrow(b, t, h), K, p.l2norm, s.scale, Qr + i * Kp);
       load_row(s.krow(b, t, h), K, p.l2norm, T(1), Kn + i * Kp);
       const T bi = s.beta(b, t, hv);
       Bt[i] = bi;
-      T* ri = R + i * Vp;
+      T* ri = R + i * ldv;
       load_cvt(s.vrow(b, t, hv) + v0, Vd, ri);
       for (int64_t e = 0; e < Vp; e += L) vstore(ri + e, bi * vload(ri + e));
       if (s.decay == decay::Kind::scalar) {
@@ -1057,8 +1091,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
         for (int64_t j = c; j < Cp; ++j) KWdT[ch * Cp + j] = 0;
     // 4. Inter-chunk products with S_in: R += Kd S_in (online: R = beta ⊙ V - beta e^gamma K S_in, the
     //    right-hand side of (I + Akk) R = X), O = Qd S_in.
-    if (s.online) gemm(c, Vp, K, Kd, Kp, S, Vp, R, Vp, true, Tri::none, trp);
-    gemm(c, Vp, K, Qd, Kp, S, Vp, O, Vp, false, Tri::none, trp);
+    if (s.online) gemm(c, Vp, K, Kd, Kp, S, ldv, R, ldv, true, Tri::none, &tr);
+    gemm(c, Vp, K, Qd, Kp, S, ldv, O, ldv, false, Tri::none, &tr);
     // 5. Intra-chunk matrices: Akk[i,j] = beta_i sum_c Kn_ic KW_jc e^{gamma_ic - gamma_jc} (j < i),
     //    Aqk[i,j] = sum_c Qr_ic KW_jc e^{gamma_ic - gamma_jc} (j <= i); differences inside exp (SPEC §4).
     T* Akk = P;
@@ -1144,11 +1178,11 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       tr.copy(blk + K * p.saved_ld + (s.online ? C * p.saved_ld : 0), pld, Pk, pld, c, pld);
     }
     // 6. Unit lower-triangular solve (I + Akk) R = X by forward substitution (online only).
-    if (s.online) unit_solve(c, Vp, Akk, Cp, R, Vp, false);
-    if (blk && s.online) tr.copy(blk + K * p.saved_ld + v0, p.saved_ld, R, Vp, c, Vp);  // R
+    if (s.online) unit_solve(c, Vp, Akk, Cp, R, ldv, false);
+    if (blk && s.online) tr.copy(blk + K * p.saved_ld + v0, p.saved_ld, R, ldv, c, Vp);  // R
     // 7. O = Qd S_in + (Aqk ⊙ causal) R.
-    gemm(c, Vp, c, Aqk, Cp, R, Vp, O, Vp, true, Tri::a_lower, trp);
-    for (int64_t i = 0; i < c; ++i) store_cvt(O + i * Vp, Vd, s.orow(b, t0 + cs + i, hv) + v0);
+    gemm(c, Vp, c, Aqk, Cp, R, ldv, O, ldv, true, Tri::a_lower, &tr);
+    for (int64_t i = 0; i < c; ++i) store_cvt(O + i * ldv, Vd, s.orow(b, t0 + cs + i, hv) + v0);
     // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
     tr.drain(job_s);  // S_in is in the cache before S changes
     if (diag) {
@@ -1156,27 +1190,36 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit) {
       exp_inplace(tmp, Kp);
       for (int64_t ch = 0; ch < K; ++ch) {
         const V f = vsplat(tmp[ch]);
-        for (int64_t e = 0; e < Vp; e += L) vstore(S + ch * Vp + e, f * vload(S + ch * Vp + e));
+        for (int64_t e = 0; e < Vp; e += L) vstore(S + ch * ldv + e, f * vload(S + ch * ldv + e));
       }
     } else if (s.decay == decay::Kind::scalar) {
       const V f = vsplat(std::exp(Gam[c - 1]));
-      for (int64_t i = 0; i < K * Vp; i += L) vstore(S + i, f * vload(S + i));
+      for (int64_t i = 0; i < K * ldv; i += L) vstore(S + i, f * vload(S + i));
     }
-    gemm(K, Vp, c, KWdT, Cp, R, Vp, S, Vp, true, Tri::none, trp);
-    if (blk) {
-      steps = tr.steps();
-      tr.drain_all();
+    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, &tr);
+    steps = tr.steps();
+    tr.drain_all();
+  };
+  for (int64_t cs = 0; cs < len; cs += C)
+    for (int64_t j = 0; j < nh; ++j) {
+      if (j + 1 < nh)
+        chunk(j, cs, j + 1, cs);
+      else
+        chunk(j, cs, 0, cs + C);
     }
-  }
 
-  if (sv) stream_fence();
-  if (p.hT.data) {
-    T* hT = s.state(p.hT, si, hv) + v0;
-    for (int64_t c = 0; c < K; ++c) std::memcpy(hT + c * p.hT.stride[2], S + c * Vp, size_t(Vd) * sizeof(T));
-  }
-  if (s.diag_pre && p.aT.data && hv % s.r == 0 && vb == 0) {
-    T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
-    for (int64_t c = 0; c < K; ++c) aT[c] = A[c];
+  if (saving) stream_fence();
+  for (int64_t j = 0; j < nh; ++j) {
+    const int64_t hv = hv0 + j, h = hv / s.r;
+    if (p.hT.data) {
+      T* hT = s.state(p.hT, si, hv) + v0;
+      for (int64_t c = 0; c < K; ++c)
+        std::memcpy(hT + c * p.hT.stride[2], Sg + j * nS + c * ldv, size_t(Vd) * sizeof(T));
+    }
+    if (s.diag_pre && p.aT.data && hv % s.r == 0 && vb == 0) {
+      T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
+      for (int64_t c = 0; c < K; ++c) aT[c] = Ag[j * nA + c];
+    }
   }
 }
 
@@ -1495,12 +1538,12 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   }
 }
 
-void chunk_task(const KernelParams& p, int64_t task, int64_t vsplit) {
+void chunk_task(const KernelParams& p, int64_t task, int64_t vsplit, int64_t group) {
   switch (p.dtype) {
-    case DType::f64: return chunk_task_t<double>(p, task, vsplit);
-    case DType::bf16: return chunk_task_t<float, Bf16Bits>(p, task, vsplit);
-    case DType::f16: return chunk_task_t<float, F16Bits>(p, task, vsplit);
-    default: return chunk_task_t<float>(p, task, vsplit);
+    case DType::f64: return chunk_task_t<double>(p, task, vsplit, group);
+    case DType::bf16: return chunk_task_t<float, Bf16Bits>(p, task, vsplit, group);
+    case DType::f16: return chunk_task_t<float, F16Bits>(p, task, vsplit, group);
+    default: return chunk_task_t<float>(p, task, vsplit, group);
   }
 }
 
