@@ -83,6 +83,22 @@ __host__ __device__ inline bool fused_key_grads(const BwdArgs& b) {
   return b.chunk != nullptr && b.a.precond == kPrecondIdentity && b.a.group == 1;
 }
 
+/// Thread c of key head h, sequence n: the reverse scan of the statistics' gradient across the
+/// sequence's chunks `first` .. `first + count - 1` (rows of b.sums / b.carry, [chunks, H, Kp]): each
+/// chunk's carry from its future (daT at the end), x <- P x + local per chunk, then da0.
+__device__ __forceinline__ void stats_reverse_carry(const BwdArgs& b, int n, int h, int c, int64_t first,
+                                                    int64_t count) {
+  const RecArgs& a = b.a;
+  float x = (b.daT && c < a.K) ? b.daT[n * b.sdaT[0] + h * b.sdaT[1] + c] : 0.f;
+  for (int64_t k = count - 1; k >= 0; --k) {
+    const int64_t e = ((first + k) * a.H + h) * b.Kp + c;
+    b.carry[e] = x;
+    const float2 pc = b.sums[e];
+    x = fmaf(pc.x, x, pc.y);
+  }
+  if (b.da0 && c < a.K) b.da0[n * b.sda0[0] + h * b.sda0[1] + c] = x;
+}
+
 /// Bytes of workspace of the backward; with `base` non-null (256-byte aligned), also points `b`'s
 /// workspace pointers into it.
 size_t bwd_workspace(BwdArgs& b, void* base);

@@ -746,18 +746,9 @@ __global__ void stats_rev_local_kernel(const BwdArgs b) {
 /// 7b. Per (sequence, key head, channel), from the last chunk back: the carry entering each chunk
 /// from its future (daT at the end) and da0.
 __global__ void stats_rev_carry_kernel(const BwdArgs b) {
-  const RecArgs& a = b.a;
-  const int h = blockIdx.x, n = blockIdx.y, c = threadIdx.x;
-  const Seq s = seq_of(a, n);
-  const int64_t base = slot_base(s.row0, n), nch = (s.len + kBwdChunk - 1) / kBwdChunk;
-  float C = (b.daT && c < a.K) ? b.daT[n * b.sdaT[0] + h * b.sdaT[1] + c] : 0.f;
-  for (int64_t k = nch - 1; k >= 0; --k) {
-    const int64_t e = ((base + k) * a.H + h) * b.Kp + c;
-    b.carry[e] = C;
-    const float2 pc = b.sums[e];
-    C = fmaf(pc.x, C, pc.y);
-  }
-  if (b.da0 && c < a.K) b.da0[n * b.sda0[0] + h * b.sda0[1] + c] = C;
+  const int h = blockIdx.x, n = blockIdx.y;
+  const Seq s = seq_of(b.a, n);
+  stats_reverse_carry(b, n, h, threadIdx.x, slot_base(s.row0, n), (s.len + kBwdChunk - 1) / kBwdChunk);
 }
 
 /// 7c. Per (chunk, key head, channel): the scanned dA_t (over the local one) and each token's dg_p

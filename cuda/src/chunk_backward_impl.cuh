@@ -778,18 +778,10 @@ __global__ void __launch_bounds__(kThreads) key_local_kernel(const ChunkArgs ca,
 /// Key gradients, 2 of 3 (per sequence, key head; thread = channel): the carry of dA entering each
 /// chunk from its future (daT at the end), in reverse chunk order, and da0.
 __global__ void key_carry_kernel(const ChunkArgs ca, const BwdArgs bw) {
-  const RecArgs& a = ca.a;
-  const int h = blockIdx.x, n = blockIdx.y, c = threadIdx.x;
+  const int h = blockIdx.x, n = blockIdx.y;
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
-  float X = (bw.daT && c < a.K) ? bw.daT[n * bw.sdaT[0] + h * bw.sdaT[1] + c] : 0.f;
-  for (int64_t k = count - 1; k >= 0; --k) {
-    const int64_t e = ((first + k) * a.H + h) * bw.Kp + c;
-    bw.carry[e] = X;
-    const float2 pc = bw.sums[e];
-    X = fmaf(pc.x, X, pc.y);
-  }
-  if (bw.da0 && c < a.K) bw.da0[n * bw.sda0[0] + h * bw.sda0[1] + c] = X;
+  stats_reverse_carry(bw, n, h, threadIdx.x, first, count);
 }
 
 /// Key gradients, 3 of 3 (per chunk, key head): the group's key-side gradients summed, chained
