@@ -121,6 +121,7 @@ TEST_CASE(
       {1, 1, 200, 16, 16, 16, {}},                // several full chunks and a partial one
       {2, 2, 70, 128, 128, 64, {0, 5, 70}},       // K = V = 128, a sequence shorter than the chunk
       {1, 1, 100, 16, 64, 16, {0, 100}},          // one (sequence, head) pair: value columns split over threads
+      {7, 7, 150, 16, 16, 32, {0, 150}},          // key heads in groups of 3, 3 and 1 (backward tasks)
   };
   uint64_t seed = 4100;
   for (const char* model : {"gdn", "pgdn", "kda", "pkda", "dn", "mamba2", "pmamba2", "la", "gla", "pdn"})

@@ -159,10 +159,21 @@ const char* chunkwise_forward(const KernelParams& params) {
 const char* chunkwise_backward(const KernelParams& p) {
   const IsaKernels isa = select();
   // One task per (sequence, key head) group: the group's value heads add into the same q/k
-  // gradients (GVA), so each group sums them itself, in a fixed order.
-  const int64_t tasks = p.N * p.H;
-  std::vector<double> dc(size_t(std::max<int64_t>(tasks, 0)), 0.0);
-  run_tasks(tasks, p.threads, false, [&](int64_t task) { isa.backward_task(p, task, &dc[size_t(task)]); });
+  // gradients (GVA), so each group sums them itself, in a fixed order. With a training cache and one
+  // value head per key head, a task runs up to kGroup adjacent key heads of one sequence chunk by chunk
+  // together (adjacent input rows, as in the forward), at most pairs / threads so that every thread
+  // still gets a task.
+  constexpr int64_t kGroup = 8;
+  const int64_t pairs = p.N * p.H;
+  const int64_t threads = p.threads > 0 ? p.threads : dgps::detail::hardware_threads();
+  const bool cached = p.saved && !p.save;
+  const int64_t group =
+      cached && p.HV == p.H ? std::max<int64_t>(1, std::min({kGroup, p.H, pairs / std::max<int64_t>(1, threads)})) : 1;
+  const int64_t ng = (p.H + group - 1) / group;
+  const int64_t tasks = p.N * ng;
+  std::vector<double> dc(size_t(std::max<int64_t>(pairs, 0)), 0.0);
+  run_tasks(tasks, p.threads, false,
+            [&](int64_t task) { isa.backward_task(p, task, group, &dc[size_t(task / ng * p.H + task % ng * group)]); });
   if (p.dcenter.data) {
     for (int64_t h = 0; h < p.H; ++h) {
       double s = 0;
