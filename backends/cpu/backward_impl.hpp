@@ -99,14 +99,24 @@ template <class T>
 void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
   int64_t i = 0;
   if constexpr (sizeof(T) == 4) {
-    constexpr int L = Vec<float>::L;
+    constexpr int L = Vec<float>::L, G = 8;  // G vectors at once, interleaved (as the forward)
+    for (; i + G * L <= n; i += G * L) {
+      VF a[G], m[G], id[G];
+      for (int u = 0; u < G; ++u) a[u] = vload(A + i + u * L);
+      if (!squash_vn<G>(a, m, center, log_x, eps, id)) break;  // the vector-by-vector loop takes over
+      for (int u = 0; u < G; ++u) {
+        vstore(M + i + u * L, m[u]);
+        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) / (a[u] + eps));
+      }
+    }
     for (; i < n; i += L) {
       const VF ae = vload(A + i) + eps;
       if (all_lanes(ae >= vsplat(1.17549435e-38f))) {
         const VF r = log_v(ae) - center;
         const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
         const VF iden = recip_v(den);  // the forward's squash_v rounding
-        const VF m = exp_v((-log_x * r) * iden);
+        const VF u = (-log_x * r) * iden;
+        const VF m = std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);
         vstore(M + i, m);
         vstore(D + i, m * -log_x * (iden * iden) / ae);
       } else {

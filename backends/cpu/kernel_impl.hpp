@@ -184,18 +184,17 @@ inline VF squash_v(VF A, float center, float log_x, float eps) {
 /// squash_v on N vectors at once, stage by stage across the N (so the instruction stream interleaves N
 /// independent chains: the squash's log, reciprocal and exp are long dependent chains that the
 /// out-of-order core overlaps poorly when each vector's chain comes whole, about 95 cycles each).
+/// With `iden`, also 1 / (1 + |r|) (for the squash's slope). Returns false, writing nothing, unless
+/// every lane of A + eps is normal and |log x| <= 0.75 (then squash_v applies vector by vector).
 template <int N>
-inline void squash_vn(const VF* A, VF* out, float center, float log_x, float eps) {
+inline bool squash_vn(const VF* A, VF* out, float center, float log_x, float eps, VF* iden = nullptr) {
   VF ae[N];
   VI ok = VI{} - 1;
   for (int n = 0; n < N; ++n) {
     ae[n] = A[n] + eps;
     ok &= ae[n] >= vsplat(1.17549435e-38f);
   }
-  if (!all_lanes(ok) || !(std::fabs(log_x) <= 0.75f)) {
-    for (int n = 0; n < N; ++n) out[n] = squash_v(A[n], center, log_x, eps);
-    return;
-  }
+  if (!all_lanes(ok) || !(std::fabs(log_x) <= 0.75f)) return false;
   VF m[N], ef[N], z[N], y[N];
   for (int n = 0; n < N; ++n) {  // log: ae = 2^e m, m in [sqrt(1/2), sqrt(2)) (as log_v)
     const VI bits = (VI)ae[n];
@@ -226,6 +225,8 @@ inline void squash_vn(const VF* A, VF* out, float center, float log_x, float eps
     z[n] = 1.0f + ar;
   }
   for (int n = 0; n < N; ++n) m[n] = recip_v(z[n]);
+  if (iden)
+    for (int n = 0; n < N; ++n) iden[n] = m[n];
   for (int n = 0; n < N; ++n) y[n] = (-log_x * y[n]) * m[n];
   for (int n = 0; n < N; ++n) {  // exp_small_v
     const VF u = y[n], u2 = u * u;
@@ -238,6 +239,7 @@ inline void squash_vn(const VF* A, VF* out, float center, float log_x, float eps
     const VF p89 = u * (1.0f / 362880) + (1.0f / 40320);
     out[n] = m[n] + (p67 * u2 + p45) * u4 + p89 * (u4 * u4);
   }
+  return true;
 }
 
 /// a[i] = squash(a[i]) for i < n (n a multiple of the vector length for float).
@@ -1103,9 +1105,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
             vstore(A + ch0 + u * L, x[u]);
           }
           if constexpr (sizeof(T) == 4) {
-            if (ng == G)
-              squash_vn<G>(x, m, ctr, s.log_x, s.eps);
-            else
+            if (ng != G || !squash_vn<G>(x, m, ctr, s.log_x, s.eps))
               for (int u = 0; u < ng; ++u) m[u] = squash_v(x[u], ctr, s.log_x, s.eps);
           } else {
             for (int u = 0; u < ng; ++u)
