@@ -88,26 +88,43 @@ inline VF exp_v(VF x) {
   return x < vsplat(-87.0f) ? vsplat(0.0f) : y;
 }
 
+/// Natural log for x >= FLT_MIN (normal, positive) of N vectors, stage by stage across the N so that
+/// their dependency chains interleave (the squash's log is on a latency-bound chain). The minimax
+/// polynomial is in Estrin's form (dependency depth 4 instead of Horner's 9).
+template <int N>
+inline void log_vn(const VF* x, VF* out) {
+  VF m[N], ef[N], z[N], y[N];
+  for (int n = 0; n < N; ++n) {  // x = 2^e m, m in [sqrt(1/2), sqrt(2))
+    const VI bits = (VI)x[n];
+    VI e = ((bits >> 23) & 0xff) - 126;
+    const VF mm = (VF)((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
+    const VI small = mm < vsplat(0.707106781186547524f);
+    e = e + small;  // small is -1 where true
+    m[n] = small ? mm + mm - 1.0f : mm - 1.0f;
+    ef[n] = __builtin_convertvector(e, VF);
+  }
+  for (int n = 0; n < N; ++n) z[n] = m[n] * m[n];
+  for (int n = 0; n < N; ++n) {
+    const VF q01 = m[n] * -2.4999993993e-1f + 3.3333331174e-1f, q23 = m[n] * -1.6668057665e-1f + 2.0000714765e-1f;
+    y[n] = q23 * z[n] + q01;
+  }
+  for (int n = 0; n < N; ++n) {
+    const VF q45 = m[n] * -1.2420140846e-1f + 1.4249322787e-1f, q67 = m[n] * -1.1514610310e-1f + 1.1676998740e-1f;
+    const VF z2 = z[n] * z[n];
+    y[n] = (q67 * z[n] + q45) * z2 + y[n] + (z2 * z2) * 7.0376836292e-2f;
+  }
+  for (int n = 0; n < N; ++n) {
+    VF t = y[n] * m[n] * z[n] + ef[n] * -2.12194440e-4f;
+    t = t - 0.5f * z[n];
+    out[n] = m[n] + t + ef[n] * 0.693359375f;
+  }
+}
+
 /// Natural log for x >= FLT_MIN (normal, positive).
 inline VF log_v(VF x) {
-  const VI bits = (VI)x;
-  VI e = ((bits >> 23) & 0xff) - 126;
-  VF m = (VF)((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
-  const VI small = m < vsplat(0.707106781186547524f);
-  e = e + small;  // small is -1 where true
-  m = small ? m + m - 1.0f : m - 1.0f;
-  // The minimax polynomial in Estrin's form (dependency depth 4 instead of Horner's 9: the squash's
-  // log is on a latency-bound chain).
-  const VF z = m * m, z2 = z * z, z4 = z2 * z2;
-  const VF q01 = m * -2.4999993993e-1f + 3.3333331174e-1f, q23 = m * -1.6668057665e-1f + 2.0000714765e-1f;
-  const VF q45 = m * -1.2420140846e-1f + 1.4249322787e-1f, q67 = m * -1.1514610310e-1f + 1.1676998740e-1f;
-  const VF q03 = q23 * z + q01, q47 = q67 * z + q45;
-  VF y = (q47 * z2 + q03) + z4 * 7.0376836292e-2f;
-  y = y * m * z;
-  const VF ef = __builtin_convertvector(e, VF);
-  y = y + ef * -2.12194440e-4f;
-  y = y - 0.5f * z;
-  return m + y + ef * 0.693359375f;
+  VF y;
+  log_vn<1>(&x, &y);
+  return y;
 }
 
 /// x[i] = exp(x[i]) for i < n (n a multiple of the vector length for float).
@@ -156,13 +173,26 @@ inline VF recip_v(VF d) {
 #endif
 }
 
-/// exp(u) for |u| <= 0.75 without range reduction: Taylor to degree 9 in Estrin's form (relative
-/// error below 4e-8 there).
+/// exp(u) for |u| <= 0.75 without range reduction, N vectors stage by stage: Taylor to degree 9 in
+/// Estrin's form (relative error below 4e-8 there).
+template <int N>
+inline void exp_small_vn(const VF* u, VF* out) {
+  VF u2[N], lo[N];
+  for (int n = 0; n < N; ++n) {
+    u2[n] = u[n] * u[n];
+    lo[n] = (u[n] * (1.0f / 6) + 0.5f) * u2[n] + (u[n] + 1.0f);
+  }
+  for (int n = 0; n < N; ++n) {
+    const VF v = u[n], v2 = u2[n], v4 = v2 * v2;
+    const VF p45 = v * (1.0f / 120) + (1.0f / 24), p67 = v * (1.0f / 5040) + (1.0f / 720);
+    const VF p89 = v * (1.0f / 362880) + (1.0f / 40320);
+    out[n] = lo[n] + (p67 * v2 + p45) * v4 + p89 * (v4 * v4);
+  }
+}
 inline VF exp_small_v(VF u) {
-  const VF u2 = u * u, u4 = u2 * u2, u8 = u4 * u4;
-  const VF p01 = u + 1.0f, p23 = u * (1.0f / 6) + 0.5f, p45 = u * (1.0f / 120) + (1.0f / 24);
-  const VF p67 = u * (1.0f / 5040) + (1.0f / 720), p89 = u * (1.0f / 362880) + (1.0f / 40320);
-  return (p23 * u2 + p01) + (p67 * u2 + p45) * u4 + p89 * u8;
+  VF y;
+  exp_small_vn<1>(&u, &y);
+  return y;
 }
 
 /// The squash of SPEC §2 on one vector of statistics A (lanes with A + eps below the normal range, or
@@ -195,50 +225,17 @@ inline bool squash_vn(const VF* A, VF* out, float center, float log_x, float eps
     ok &= ae[n] >= vsplat(1.17549435e-38f);
   }
   if (!all_lanes(ok) || !(std::fabs(log_x) <= 0.75f)) return false;
-  VF m[N], ef[N], z[N], y[N];
-  for (int n = 0; n < N; ++n) {  // log: ae = 2^e m, m in [sqrt(1/2), sqrt(2)) (as log_v)
-    const VI bits = (VI)ae[n];
-    VI e = ((bits >> 23) & 0xff) - 126;
-    const VF mm = (VF)((bits & 0x007fffff) | 0x3f000000);
-    const VI small = mm < vsplat(0.707106781186547524f);
-    e = e + small;
-    m[n] = small ? mm + mm - 1.0f : mm - 1.0f;
-    ef[n] = __builtin_convertvector(e, VF);
+  VF r[N], d[N], u[N];
+  log_vn<N>(ae, r);
+  for (int n = 0; n < N; ++n) {  // u = -log(x) r / (1 + |r|), r = log(A + eps) - center
+    r[n] = r[n] - center;
+    d[n] = 1.0f + (r[n] < vsplat(0.0f) ? -r[n] : r[n]);
   }
-  for (int n = 0; n < N; ++n) z[n] = m[n] * m[n];
-  for (int n = 0; n < N; ++n) {
-    const VF q01 = m[n] * -2.4999993993e-1f + 3.3333331174e-1f, q23 = m[n] * -1.6668057665e-1f + 2.0000714765e-1f;
-    y[n] = q23 * z[n] + q01;
-  }
-  for (int n = 0; n < N; ++n) {
-    const VF q45 = m[n] * -1.2420140846e-1f + 1.4249322787e-1f, q67 = m[n] * -1.1514610310e-1f + 1.1676998740e-1f;
-    const VF z2 = z[n] * z[n];
-    y[n] = (q67 * z[n] + q45) * z2 + y[n] + (z2 * z2) * 7.0376836292e-2f;
-  }
-  for (int n = 0; n < N; ++n) {
-    VF t = y[n] * m[n] * z[n] + ef[n] * -2.12194440e-4f;
-    t = t - 0.5f * z[n];
-    y[n] = m[n] + t + ef[n] * 0.693359375f - center;  // r = log(ae) - center
-  }
-  for (int n = 0; n < N; ++n) {  // u = -log(x) r / (1 + |r|)
-    const VF ar = y[n] < vsplat(0.0f) ? -y[n] : y[n];
-    z[n] = 1.0f + ar;
-  }
-  for (int n = 0; n < N; ++n) m[n] = recip_v(z[n]);
+  for (int n = 0; n < N; ++n) d[n] = recip_v(d[n]);
   if (iden)
-    for (int n = 0; n < N; ++n) iden[n] = m[n];
-  for (int n = 0; n < N; ++n) y[n] = (-log_x * y[n]) * m[n];
-  for (int n = 0; n < N; ++n) {  // exp_small_v
-    const VF u = y[n], u2 = u * u;
-    z[n] = u2;
-    m[n] = (u * (1.0f / 6) + 0.5f) * u2 + (u + 1.0f);
-  }
-  for (int n = 0; n < N; ++n) {
-    const VF u = y[n], u2 = z[n], u4 = u2 * u2;
-    const VF p45 = u * (1.0f / 120) + (1.0f / 24), p67 = u * (1.0f / 5040) + (1.0f / 720);
-    const VF p89 = u * (1.0f / 362880) + (1.0f / 40320);
-    out[n] = m[n] + (p67 * u2 + p45) * u4 + p89 * (u4 * u4);
-  }
+    for (int n = 0; n < N; ++n) iden[n] = d[n];
+  for (int n = 0; n < N; ++n) u[n] = (-log_x * r[n]) * d[n];
+  exp_small_vn<N>(u, out);
   return true;
 }
 
