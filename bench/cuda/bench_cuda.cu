@@ -321,7 +321,7 @@ int main(int argc, char** argv) {
       bench_forward(m, 8, 2048, 16, 128, 128, dgps::Algorithm::recurrent);
   }
   const std::pair<const char*, std::pair<int64_t, int64_t>> training[] = {
-      {"pgdn", {8, 2048}}, {"gdn", {8, 2048}}, {"pgdn", {1, 32768}}, {"pkda", {8, 2048}}};
+      {"pgdn", {8, 2048}}, {"gdn", {8, 2048}}, {"pgdn", {1, 32768}}, {"pkda", {8, 2048}}, {"kda", {8, 2048}}};
   for (const auto& [m, bt] : training)
     if (only.empty() || only.find(m) != std::string::npos) bench_backward(m, bt.first, bt.second, 16);
   for (const char* m : {"gdn", "pgdn"}) {

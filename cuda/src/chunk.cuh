@@ -71,17 +71,21 @@ constexpr size_t bwd_prep_smem_bytes() {
   return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C;
 }
 /// Backward mode: the reverse pass with VT value columns: two buffers of {Wb, Qe, Ke [C][LDK], Ub,
-/// do [C][VT + 8], gamma}, the state gradient's operand copy [128][VT + 8] and dX [C][VT + 8].
-constexpr int bwd_rev_buffer_elems(int VT) { return 3 * C * LDK + 2 * C * (VT + 8) + 2 * C; }
+/// do [C][VT + 8], the decays (C floats of gamma, or with Diagonal decay 128 of e^gamma_C)}, the state
+/// gradient's operand copy [128][VT + 8] and dX [C][VT + 8].
+constexpr int bwd_rev_buffer_elems(int VT) { return 3 * C * LDK + 2 * C * (VT + 8) + 2 * KP; }
 constexpr size_t bwd_rev_smem_bytes(int VT) {
   return sizeof(uint16_t) * (2 * bwd_rev_buffer_elems(VT) + (KP + C) * (VT + 8));
 }
 /// Backward mode: the gradient kernel's do, r, dX [C][LDK], S_0, H [128][LDK], qr, kn, kw,
-/// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, and float row sums of 4 column groups
-/// and a 512-thread reduction.
+/// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, float row sums of 4 column groups, a
+/// 512-thread reduction and (Diagonal decay) 5 x 128 per-channel sums. With Diagonal decay, phase 1's
+/// region (do .. H) later holds gamma [C][LDG] and two scaled key tiles [C][LDK], then dgamma [C][LDG].
 constexpr size_t bwd_grad_smem_bytes() {
-  return sizeof(uint16_t) * (7 * C * LDK + 2 * KP * LDK + 2 * C * LDC) + sizeof(float) * (15 * C + KP + 512);
+  return sizeof(uint16_t) * (7 * C * LDK + 2 * KP * LDK + 2 * C * LDC) + sizeof(float) * (15 * C + 6 * KP + 512);
 }
+static_assert(sizeof(float) * 2 * C * LDG <= sizeof(uint16_t) * (3 * C * LDK + 2 * KP * LDK),
+              "gamma and dgamma fit in phase 1's region");
 }  // namespace layout
 
 /// Largest dynamic shared memory per block on the current device (opt-in), in bytes.
@@ -115,6 +119,10 @@ struct ChunkArgs {
   void *Kn = nullptr, *T2 = nullptr;  ///< [chunk_bound, HV, C, 128] read keys; [.., C, C] T2
   void *S0 = nullptr, *Hc = nullptr;  ///< [chunk_bound, HV, 128, Vpad] states entering / gradients leaving each chunk
   void *Rr = nullptr, *dX = nullptr, *dO = nullptr;  ///< [chunk_bound, HV, C, Vpad] r, dv and a copy of do
+  /// Backward mode with Diagonal decay: Qn, Kn and KWn carry the decays (q ⊙ e^gamma, k ⊙ e^gamma,
+  /// kw ⊙ e^(gamma_C - gamma)) and these [chunk_bound, HV, C, 128] tiles the undecayed rows (KWu is Ku
+  /// when the write key is the read key).
+  void *Qu = nullptr, *Ku = nullptr, *KWu = nullptr;
 };
 
 /// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null,
@@ -133,9 +141,9 @@ cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char
 
 struct BwdArgs;
 
-/// True when the chunkwise backward covers the call: the chunkwise forward covers it, decay None or
-/// Scalar, K >= 64 and the inputs are 16-bit (its products run on 16-bit operands; float32 inputs
-/// keep the float32 backward).
+/// True when the chunkwise backward covers the call: the chunkwise forward covers it (every decay), K
+/// >= 64 and the inputs are 16-bit (its products run on 16-bit operands; float32 inputs keep the
+/// float32 backward unless the chunkwise algorithm is asked for).
 bool chunk_backward_covers(const RecArgs& a, bool half_inputs);
 
 /// Launches the middle of the chunkwise backward (chunk_backward.cuh): from the normalised keys and

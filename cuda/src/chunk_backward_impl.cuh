@@ -1,5 +1,5 @@
-/// @brief The chunkwise backward on tensor cores (SPEC §3.8, §4): scalar or no decay, 16-bit operands,
-/// float32 accumulation, fixed-order reductions (deterministic). Included after chunk_impl.cuh.
+/// @brief The chunkwise backward on tensor cores (SPEC §3.8, §4): every decay, 16-bit operands, float32
+/// accumulation, fixed-order reductions (deterministic). Included after chunk_impl.cuh.
 ///
 /// Per chunk (C = 64 rows i, j; gamma the chunk-local cumulative gate, E = e^gamma, Ed = e^{gamma_L - gamma};
 /// Bm_ij = e^{gamma_i - gamma_j} kn_i . kw_j (j < i); T2 = (I + Bm Diag(beta))^{-1}; P_ij = e^{gamma_i - gamma_j}
@@ -20,6 +20,12 @@
 ///        dgamma_i = qr_i . dqr_i + kn_i . dkn_i - kw_i . dkw_i (+ sum H ⊙ S_C at the last row) with the
 ///      gate-free terms (d, and the last row's H r) kept out of it, as the float32 backward does; dg
 ///      = suffix sums of dgamma;
+///      Diagonal decay: gamma is a vector per row, E, Ed act per channel and every e^{gamma_i - gamma_j}
+///      above is per channel. The forward's tiles carry the decays (Qr ⊙ E, Kn ⊙ E, KW ⊙ Ed: steps 1
+///      and 2 then run as written with gamma = 0, H's rows decaying by e^{gamma_L} per channel); the
+///      gradient kernel reads the undecayed tiles, splits e^{gamma_i - gamma_j} at the 16-row block
+///      boundaries (as the forward's diag_decay_akk_p does), and sums dgamma per channel (dg per channel,
+///      with a boundary term per channel);
 ///   4. unless 3 finishes dq and dk itself (Identity preconditioner, no GVA), per (chunk, key head),
 ///      thread = channel: `key_local_kernel` and `key_carry_kernel` (diagonal preconditioners) scan dA
 ///      in reverse through A_t = e^{g_p,t} A_{t-1} + beta_p,t kn_t^2, chunk-locally then across the
@@ -169,6 +175,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   seq_chunks(ca, n, &first, &count, &len);
   const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
   const int64_t Vp = ca.Vpad;
+  const bool diag = a.decay == kDecayDiagonal;  // the tiles carry the decays; sG holds e^gamma_C per row
 
   auto issue = [&](int64_t ci) {
     Op* buf = sBuf + (ci & 1) * BUF;
@@ -178,8 +185,11 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     if (a.online) copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
     copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
     copy_tile_async<VT>(buf + 3 * C * LDK + C * LDV, LDV, static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp, C);
-    copy_tile_async<2 * C>(buf + 3 * C * LDK + 2 * C * LDV, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C),
-                           2 * C, 1);
+    Op* dec = buf + 3 * C * LDK + 2 * C * LDV;
+    if (diag)
+      copy_tile_async<2 * KP>(dec, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head * KP), 2 * KP, 1);
+    else
+      copy_tile_async<2 * C>(dec, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C), 2 * C, 1);
     cp_commit();
   };
   if (count > 0) issue(count - 1);
@@ -216,10 +226,11 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     const Op* sU = sW + 3 * C * LDK;
     Op* sDO = sBuf + (ci & 1) * BUF + 3 * C * LDK + C * LDV;
     const float* sG = reinterpret_cast<const float*>(sDO + C * LDV);
-    const float gC = __expf(sG[L - 1]);
+    const float gC = diag ? 1.f : __expf(sG[L - 1]);
     const int64_t head = (first + ci) * a.HV + hv;
     store_tile<VT>(static_cast<Op*>(ca.Hc) + head * KP * Vp + v0, Vp, sH, LDV, KP);
-    scale_rows<VT>(sDO, sDO, LDV, C, [&](int r) { return __expf(sG[r]); });  // E ⊙ do, read after the next barrier
+    if (!diag)  // E ⊙ do, read after the next barrier
+      scale_rows<VT>(sDO, sDO, LDV, C, [&](int r) { return __expf(sG[r]); });
     // dX = Ub + Wb H for rows m0 .. m0 + 15.
     float acc[NTW][4];
 #pragma unroll
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
       for (int e = 0; e < 4; e += 2) {
         const int i = acc_row(m0, e), j = acc_col(c0 + 8 * nt, e);
         const float x0 = to_float(sU[i * LDV + j]) + acc[nt][e], x1 = to_float(sU[i * LDV + j + 1]) + acc[nt][e + 1];
-        const float me = -__expf(sG[i]);
+        const float me = diag ? -1.f : -__expf(sG[i]);
         store2(sX + i * LDV + j, me * x0, me * x1);
         store2(dXg + i * Vp + j, x0, x1);
         const int col = v0 + j;
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
 #pragma unroll
       for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) H[mt][nt][e] *= gC;
+        for (int e = 0; e < 4; ++e) H[mt][nt][e] *= diag ? sG[acc_row(sr0 + 16 * mt, e)] : gC;
 #pragma unroll
       for (int k0 = 0; k0 < C; k0 += 16) {
         uint32_t fq[4], fk[4];
@@ -316,10 +327,62 @@ __device__ __forceinline__ float block_sum(float* x) {
   return x[0];
 }
 
+/// Diagonal decay, gradient kernel: the chunk's per-channel gamma [C][LDG] (thread = (16-row block,
+/// channel); g = 0 past L and past K, so row C - 1 holds gamma_C). Ends with a barrier.
+__device__ __forceinline__ void diag_grad_gamma(const ChunkArgs& ca, const ChunkPos& p, int hv, float* sG) {
+  const RecArgs& a = ca.a;
+  const int c = threadIdx.x % KP, q = threadIdx.x / KP;
+  const int64_t g0 = p.b * a.sg[0] + (p.t0 + 16 * q) * a.sg[1] + hv * a.sg[2] + c;
+  float gv[16];
+#pragma unroll
+  for (int u = 0; u < 16; ++u)
+    gv[u] = (c < a.K && 16 * q + u < p.L) ? load_gate(a.g, g0 + u * a.sg[1], a.gate_dtype) : 0.f;
+  float run = 0.f;
+#pragma unroll
+  for (int u = 0; u < 16; ++u) sG[(16 * q + u) * LDG + c] = run += gv[u];
+  __syncthreads();
+  float off = 0.f;
+  for (int b = 0; b < q; ++b) off += sG[(16 * b + 15) * LDG + c];
+  __syncthreads();
+  if (q > 0)
+#pragma unroll
+    for (int u = 0; u < 16; ++u) sG[(16 * q + u) * LDG + c] += off;
+  __syncthreads();
+}
+
+/// Diagonal decay, gradient kernel: the B operands of phase 2 with their outer factors (each <= 1; a
+/// the row's 16-row block): qr, kn ⊙ e^(gamma - gamma_16a) into sQs, sKs and beta kw ⊙ e^(gamma_16a+15
+/// - gamma) into sKWb, 8 channels per thread and step.
+template <class Op>
+__device__ __forceinline__ void diag_grad_scaled_tiles(const float* sG, const Op* sQr, const Op* sKn, const Op* sKW,
+                                                       const float* s_beta, Op* sQs, Op* sKs, Op* sKWb) {
+  for (int e = threadIdx.x; e < C * KP / 8; e += blockDim.x) {
+    const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, r0 = r & ~15;
+    const float* gr = sG + r * LDG + c8;
+    const float* gs = sG + r0 * LDG + c8;
+    const float* ge = sG + (r0 + 15) * LDG + c8;
+    alignas(16) Op q8[8], k8[8], w8[8];
+    *reinterpret_cast<uint4*>(q8) = *reinterpret_cast<const uint4*>(sQr + r * LDK + c8);
+    *reinterpret_cast<uint4*>(k8) = *reinterpret_cast<const uint4*>(sKn + r * LDK + c8);
+    *reinterpret_cast<uint4*>(w8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+    const float br = s_beta[r];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float fa = __expf(gr[j] - gs[j]), fz = br * __expf(ge[j] - gr[j]);
+      q8[j] = from_float<Op>(to_float(q8[j]) * fa);
+      k8[j] = from_float<Op>(to_float(k8[j]) * fa);
+      w8[j] = from_float<Op>(to_float(w8[j]) * fz);
+    }
+    *reinterpret_cast<uint4*>(sQs + r * LDK + c8) = *reinterpret_cast<const uint4*>(q8);
+    *reinterpret_cast<uint4*>(sKs + r * LDK + c8) = *reinterpret_cast<const uint4*>(k8);
+    *reinterpret_cast<uint4*>(sKWb + r * LDK + c8) = *reinterpret_cast<const uint4*>(w8);
+  }
+}
+
 /// 3. Per (chunk, value head), 16 warps: the key-side gradients (see the file comment). Warp w owns
 /// rows 16 (w % 4) .. + 15 and, of a C-column product, columns 16 (w / 4) ..; of a 128-column one,
 /// channels 32 (w / 4) ... The elementwise terms (dgamma, dbeta) use the 16-bit key tiles.
-template <class Tin, class Op>
+template <class Tin, class Op, bool DIAG>
 __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkArgs ca, const BwdArgs bw) {
   constexpr int G = kGradGroups, NA = C / 8 / G, NK = KP / 8 / G;  // n-tiles per warp: C columns, channels
   const RecArgs& a = ca.a;
@@ -343,6 +406,14 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   float* s_dg = s_db + G * C;    // [C][G]
   float* s_last = s_dg + G * C;  // [KP] H r of the last row
   float* s_red = s_last + KP;    // [kGradThreads]
+  float* s_hs = s_red + kGradThreads;  // [KP] Diagonal decay: sum over v of H ⊙ S_0 per channel
+  float* s_bnd = s_hs + KP;            // [4][KP] Diagonal decay: per row block, sum of beta kw ⊙ X3 (rows < L - 1)
+  // Diagonal decay, in phase 1's region once it is done: gamma, the scaled keys, then dgamma.
+  float* sG = reinterpret_cast<float*>(smem);     // [C][LDG] per-channel gamma
+  Op* sQs = reinterpret_cast<Op*>(sG + C * LDG);  // [C][LDK] qr ⊙ e^(gamma - gamma_16a), a the row's block
+  Op* sKs = sQs + C * LDK;                        // [C][LDK] kn ⊙ e^(gamma - gamma_16a)
+  float* sDG = reinterpret_cast<float*>(sQs);     // [C][LDG] dgamma, after phase 2
+  __shared__ int s_fast[4];                       // Diagonal decay: block a's diagonal block on tensor cores
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int m0 = 16 * (warp & 3), hf = warp >> 2;  // row block, column group
@@ -364,9 +435,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   load_tile_async(sS0, LDK, static_cast<const Op*>(ca.S0) + head * KP * Vp, Vp, KP, int(Vp));
   load_tile_async(sHc, LDK, static_cast<const Op*>(ca.Hc) + head * KP * Vp, Vp, KP, int(Vp));
   cp_commit();  // phase 1's tiles; the key tiles load during phase 1
-  load_tile_async(sQr, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C, KP);
-  load_tile_async(sKn, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C, KP);
-  load_tile_async(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
+  load_tile_async(sQr, LDK, static_cast<const Op*>(DIAG ? ca.Qu : ca.Qn) + head * C * KP, KP, C, KP);
+  load_tile_async(sKn, LDK, static_cast<const Op*>(DIAG ? ca.Ku : ca.Kn) + head * C * KP, KP, C, KP);
+  load_tile_async(sKW, LDK, static_cast<const Op*>(DIAG ? ca.KWu : ca.KWn) + head * C * KP, KP, C, KP);
   cp_commit();
   cp_wait<1>();
   __syncthreads();
@@ -431,81 +502,211 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     }
     s_red[tid] = acc;
   }
+  if constexpr (DIAG) {  // per channel (state row r = tid / 4, a quarter of the columns per thread)
+    const int r = tid >> 2, q = tid & 3, n8 = int(Vp) / 32;
+    float acc = 0.f;
+    for (int u = 0; u < n8; ++u) {
+      const int c8 = (q * n8 + u) * 8;
+      alignas(16) Op x[8], y[8];
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(sHc + r * LDK + c8);
+      *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(sS0 + r * LDK + c8);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc = fmaf(to_float(x[j]), to_float(y[j]), acc);
+    }
+    acc = quad_sum(acc);
+    if (q == 0) s_hs[r] = acc;
+  }
   const float gL = s_gam[L - 1];
   cp_wait<0>();
-  __syncthreads();                                                      // the key tiles
-  scale_rows<KP>(sKWb, sKW, LDK, C, [&](int r) { return s_beta[r]; });  // Diag(beta) KW
-  // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart.
+  __syncthreads();  // the key tiles; phase 1's region is free
+  if constexpr (DIAG) {
+    diag_grad_gamma(ca, p, hv, sG);
+    diag_grad_scaled_tiles<Op>(sG, sQr, sKn, sKW, s_beta, sQs, sKs, sKWb);
+    if (warp < 4) {  // block w's diagonal block joins the tensor cores when gamma spreads over it by <= kDiagSpread
+      float spread = 0.f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        spread = fmaxf(spread, sG[16 * warp * LDG + 4 * lane + u] - sG[(16 * warp + 15) * LDG + 4 * lane + u]);
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) spread = fmaxf(spread, __shfl_xor_sync(0xffffffffu, spread, d));
+      if (lane == 0) s_fast[warp] = spread <= kDiagSpread<Op>;
+    }
+  } else {
+    scale_rows<KP>(sKWb, sKW, LDK, C, [&](int r) { return s_beta[r]; });  // Diag(beta) KW
+  }
+  // Masked, decayed Aq and -Ar (j < i) to shared memory, the diagonal of Aq apart (Diagonal decay:
+  // undecayed, the decays go with the tiles and the middle factors below).
 #pragma unroll
   for (int nt = 0; nt < NA; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       const int i = acc_row(m0, e), j = acc_col(ca0 + 8 * nt, e);
-      const float d0 = j < i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
-      const float d1 = j + 1 < i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
+      const float d0 = j < i ? (DIAG ? 1.f : __expf(s_gam[i] - s_gam[j])) : 0.f;
+      const float d1 = j + 1 < i ? (DIAG ? 1.f : __expf(s_gam[i] - s_gam[j + 1])) : 0.f;
       if (j == i) s_diag[i] = aq[nt][e];
       if (j + 1 == i) s_diag[i] = aq[nt][e + 1];
       store2(sMq + i * LDC + j, aq[nt][e] * d0, aq[nt][e + 1] * d1);
       store2(sMr + i * LDC + j, -ar[nt][e] * d0, -ar[nt][e + 1] * d1);
     }
-  // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
-  // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
-  float rho[2] = {0.f, 0.f};
+  if constexpr (DIAG) {
+    // Per channel c of row i in block a: X1 times e^gamma_16a, X2 times -e^gamma_16a, X3 times
+    // e^(gamma_C - gamma_16a+15) (each <= 1; the row factors e^(gamma_i - gamma_16a), e^(gamma_16a+15 -
+    // gamma_i) follow phase 2). The last row's H r leaves X3 (gate-free); beta_i kw_i ⊙ Ed_i ⊙ (r H^T)_i
+    // (rows < L - 1) summed over the block's rows feeds the boundary term of dg per channel.
+    float bs[NK][2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int i = acc_row(m0, 2 * hr);
-    const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
+    for (int nt = 0; nt < NK; ++nt) bs[nt][0] = bs[nt][1] = 0.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = acc_row(m0, 2 * hr);
+#pragma unroll
+      for (int nt = 0; nt < NK; ++nt)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+          const float gC = sG[(C - 1) * LDG + c], es = __expf(sG[m0 * LDG + c]);
+          x1[nt][e] *= es;
+          x2[nt][e] *= -es;
+          if (i == L - 1) s_last[c] = x3[nt][e];
+          if (i < L - 1) {
+            bs[nt][u] = fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][u]);
+            x3[nt][e] *= __expf(gC - sG[(m0 + 15) * LDG + c]);
+          } else {
+            x3[nt][e] = 0.f;
+          }
+        }
+    }
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
-        x1[nt][e] *= eg;
-        x2[nt][e] *= -eg;
-        x3[nt][e] *= ed;
-        if (i == L - 1) {
-          s_last[c] = x3[nt][e];
-          x3[nt][e] = 0.f;
-        } else {
-          rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
+        float x = bs[nt][u];
+#pragma unroll
+        for (int d = 4; d < 32; d <<= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+        if (lane < 4) s_bnd[(m0 / 16) * KP + acc_col(ck0 + 8 * nt, u)] = x;
+      }
+  } else {
+    // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
+    // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
+    float rho[2] = {0.f, 0.f};
+  #pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = acc_row(m0, 2 * hr);
+      const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
+  #pragma unroll
+      for (int nt = 0; nt < NK; ++nt)
+  #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+          x1[nt][e] *= eg;
+          x2[nt][e] *= -eg;
+          x3[nt][e] *= ed;
+          if (i == L - 1) {
+            s_last[c] = x3[nt][e];
+            x3[nt][e] = 0.f;
+          } else {
+            rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
+          }
+        }
+    }
+  #pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float x = quad_sum(rho[hr]);
+      if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
+    }
+  }
+  const float hs = !DIAG && a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
+  __syncthreads();  // Mq, -Mr and the diagonal complete
+
+  // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn, over the 16-column
+  // blocks kb where Mq is not zero: kb <= a for X1, X2 (rows of block a), kb >= a for X3. Diagonal
+  // decay: e^(gamma_i - gamma_j) = e^(gamma_i - gamma_16a) e^(gamma_16a - gamma_16b+15) e^(gamma_16b+15 -
+  // gamma_j) (i in block a, j in block b): the outer factors are in the scaled tiles or follow, the
+  // middle one, per channel, scales the B fragments (<= 1 for b < a; the diagonal block b = a, up to
+  // e^spread, only when it spreads by <= kDiagSpread, else it is summed elementwise below).
+  const int ab = m0 / 16;
+  const bool dfast = !DIAG || s_fast[ab];
+  const Op* sB3k = DIAG ? sKs : sKn;
+  const Op* sB3q = DIAG ? sQs : sQr;
+  // Column of this lane's B fragments in n-tile nt; middle factor e^(gamma_s - gamma_e) on both registers.
+  auto mid = [&](uint32_t* f, int nt, int s_row, int e_row) {
+    if constexpr (DIAG) {
+      const int c = ck0 + 8 * nt + (lane >> 2);
+      const float m0f = __expf(sG[s_row * LDG + c] - sG[e_row * LDG + c]);
+      const float m1f = __expf(sG[s_row * LDG + c + 8] - sG[e_row * LDG + c + 8]);
+      const uint32_t p0 = pack2<Op>(m0f, m0f), p1 = pack2<Op>(m1f, m1f);
+      f[0] = mul2<Op>(f[0], p0), f[1] = mul2<Op>(f[1], p0), f[2] = mul2<Op>(f[2], p1), f[3] = mul2<Op>(f[3], p1);
+    }
+  };
+#pragma unroll 1
+  for (int kb = 0; kb < 4; ++kb) {
+    const int k0 = 16 * kb;
+    if (kb < ab || (kb == ab && dfast)) {
+      uint32_t fq[4], fr[4];
+      load_a(fq, sMq, LDC, m0, k0);
+      if (online) load_a(fr, sMr, LDC, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < NK; nt += 2) {
+        uint32_t fb[4];
+        load_b_t(fb, sKWb, LDK, k0, ck0 + nt * 8);
+        mid(fb, nt, m0, k0 + 15);
+        mma<Op>(x1[nt], fq, fb);
+        mma<Op>(x1[nt + 1], fq, fb + 2);
+        if (online) {
+          mma<Op>(x2[nt], fr, fb);
+          mma<Op>(x2[nt + 1], fr, fb + 2);
         }
       }
-  }
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float x = quad_sum(rho[hr]);
-    if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
-  }
-  const float hs = a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
-  __syncthreads();                                                    // Mq, -Mr and the diagonal complete
-
-  // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn.
-#pragma unroll 1
-  for (int k0 = 0; k0 < C; k0 += 16) {
-    uint32_t fq[4], fr[4], fqt[4], frt[4];
-    load_a(fq, sMq, LDC, m0, k0);
-    load_a_t(fqt, sMq, LDC, m0, k0);
-    if (online) {
-      load_a(fr, sMr, LDC, m0, k0);
-      load_a_t(frt, sMr, LDC, m0, k0);
     }
+    if (kb > ab || (kb == ab && dfast)) {
+      uint32_t fqt[4], frt[4];
+      load_a_t(fqt, sMq, LDC, m0, k0);
+      if (online) load_a_t(frt, sMr, LDC, m0, k0);
 #pragma unroll
-    for (int nt = 0; nt < NK; nt += 2) {
-      uint32_t fb[4];
-      load_b_t(fb, sKWb, LDK, k0, ck0 + nt * 8);
-      mma<Op>(x1[nt], fq, fb);
-      mma<Op>(x1[nt + 1], fq, fb + 2);
-      if (online) {
-        mma<Op>(x2[nt], fr, fb);
-        mma<Op>(x2[nt + 1], fr, fb + 2);
-        load_b_t(fb, sKn, LDK, k0, ck0 + nt * 8);
-        mma<Op>(x3[nt], frt, fb);
-        mma<Op>(x3[nt + 1], frt, fb + 2);
+      for (int nt = 0; nt < NK; nt += 2) {
+        uint32_t fb[4];
+        if (online) {
+          load_b_t(fb, sB3k, LDK, k0, ck0 + nt * 8);
+          mid(fb, nt, k0, m0 + 15);
+          mma<Op>(x3[nt], frt, fb);
+          mma<Op>(x3[nt + 1], frt, fb + 2);
+        }
+        load_b_t(fb, sB3q, LDK, k0, ck0 + nt * 8);
+        mid(fb, nt, k0, m0 + 15);
+        mma<Op>(x3[nt], fqt, fb);
+        mma<Op>(x3[nt + 1], fqt, fb + 2);
       }
-      load_b_t(fb, sQr, LDK, k0, ck0 + nt * 8);
-      mma<Op>(x3[nt], fqt, fb);
-      mma<Op>(x3[nt + 1], fqt, fb + 2);
     }
+  }
+  if constexpr (DIAG) {
+    // The row factors, then (strong decay) the diagonal block elementwise from the undecayed tiles.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = acc_row(m0, 2 * hr);
+#pragma unroll
+      for (int nt = 0; nt < NK; ++nt)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
+          const float gi = sG[i * LDG + c];
+          const float us = __expf(gi - sG[m0 * LDG + c]);
+          x1[nt][e] *= us;
+          x2[nt][e] *= us;
+          x3[nt][e] *= __expf(sG[(m0 + 15) * LDG + c] - gi);
+          if (dfast) continue;
+          for (int j = m0; j < i; ++j) {
+            const float f = __expf(gi - sG[j * LDG + c]) * s_beta[j] * to_float(sKW[j * LDK + c]);
+            x1[nt][e] = fmaf(to_float(sMq[i * LDC + j]), f, x1[nt][e]);
+            if (online) x2[nt][e] = fmaf(to_float(sMr[i * LDC + j]), f, x2[nt][e]);
+          }
+          for (int l = i + 1; l < m0 + 16; ++l) {
+            float y = to_float(sMq[l * LDC + i]) * to_float(sQr[l * LDK + c]);
+            if (online) y = fmaf(to_float(sMr[l * LDC + i]), to_float(sKn[l * LDK + c]), y);
+            x3[nt][e] = fmaf(y, __expf(sG[l * LDG + c] - gi), x3[nt][e]);
+          }
+        }
+    }
+    __syncthreads();  // phase 2's reads of the scaled tiles are done: dgamma takes their place
   }
   // Outputs: dqr, dkn, dkw = beta Pr with the gate-free terms added; dbeta and dgamma row sums.
   // Fused (Identity preconditioner, one value head per key head): dqn = dqr and dkn + dkw go straight
@@ -526,7 +727,11 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
         const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
         const float qr = to_float(sQr[i * LDK + c]), kn = to_float(sKn[i * LDK + c]), kw = to_float(sKW[i * LDK + c]);
         const float dkn = online ? x2[nt][e] : 0.f;
-        dgr[hr] += qr * x1[nt][e] + kn * dkn - kw * bi * x3[nt][e];
+        const float dgam = qr * x1[nt][e] + kn * dkn - kw * bi * x3[nt][e];
+        if constexpr (DIAG)
+          sDG[i * LDG + c] = ok ? dgam : 0.f;
+        else
+          dgr[hr] += dgam;
         const float dqr = fmaf(di * bi, kw, x1[nt][e]);
         const float P = fmaf(di, qr, x3[nt][e]) + (i == L - 1 ? s_last[c] : 0.f);
         dbr[hr] = fmaf(kw, P, dbr[hr]);
@@ -620,6 +825,27 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     const float a1 = bnd + suf - r0, a0 = bnd + suf;  // rows i1 and i0
     if (i1 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i1, hv), a.gate_dtype, a1);
     if (i0 < L) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i0, hv), a.gate_dtype, a0);
+  }
+  if (DIAG && bw.dg) {
+    // Per channel c (thread = (row block q, c)): dg_ic = boundary_c + Σ_{j >= i} dgamma_jc, with the
+    // boundary e^gamma_C Σ_v H ⊙ S_0 + Σ_{i < L-1} beta_i kw_i ⊙ Ed_i ⊙ (r H^T)_i, in a fixed order.
+    const int c = tid & (KP - 1), q = tid / KP;
+    float* s_part = s_red;  // [4][KP] row-block sums of dgamma
+    float part = 0.f;
+#pragma unroll
+    for (int u = 0; u < 16; ++u) part += sDG[(16 * q + u) * LDG + c];
+    s_part[q * KP + c] = part;
+    __syncthreads();
+    float acc = __expf(sG[(C - 1) * LDG + c]) * s_hs[c];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) acc += s_bnd[b * KP + c];
+    for (int b = 3; b > q; --b) acc += s_part[b * KP + c];
+#pragma unroll
+    for (int u = 15; u >= 0; --u) {
+      const int i = 16 * q + u;
+      acc += sDG[i * LDG + c];
+      if (i < L && c < a.K) store_gate(bw.dg, at3(bw.sdg, p.b, p.t0 + i, hv) + c, a.gate_dtype, acc);
+    }
   }
 }
 
@@ -952,9 +1178,15 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   else
     e = launch_rev<Tin, Op, 16>(ca, bw, stream);
   if (e != cudaSuccess) return e;
-  static const cudaError_t set_grad = allow_smem(bwd_grad_kernel<Tin, Op>, bwd_grad_smem_bytes());
-  if (set_grad != cudaSuccess) return set_grad;
-  bwd_grad_kernel<Tin, Op><<<tiles, kGradThreads, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  if (a.decay == kDecayDiagonal) {
+    static const cudaError_t set = allow_smem(bwd_grad_kernel<Tin, Op, true>, bwd_grad_smem_bytes());
+    if (set != cudaSuccess) return set;
+    bwd_grad_kernel<Tin, Op, true><<<tiles, kGradThreads, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  } else {
+    static const cudaError_t set = allow_smem(bwd_grad_kernel<Tin, Op, false>, bwd_grad_smem_bytes());
+    if (set != cudaSuccess) return set;
+    bwd_grad_kernel<Tin, Op, false><<<tiles, kGradThreads, bwd_grad_smem_bytes(), stream>>>(ca, bw);
+  }
   if (fused_key_grads(bw)) return cudaGetLastError();
   // The key gradients per chunk: preconditioner chain, statistics' reverse scan, L2 norm.
   const dim3 keys(static_cast<unsigned>(ca.chunk_bound), a.H);

@@ -23,7 +23,7 @@ bool chunk_covers(const RecArgs& a) {
 bool chunk_backward_covers(const RecArgs& a, bool half_inputs) {
   // K >= 64: the tiles are 128 channels wide (narrow heads mostly multiply padding), and a chunk's 64
   // keys in fewer dimensions make (I + Bm Diag(beta)) ill-conditioned for 16-bit operands.
-  return half_inputs && a.decay != kDecayDiagonal && a.K >= 64 && chunk_covers(a) && a.N > 0 &&
+  return half_inputs && a.K >= 64 && chunk_covers(a) && a.N > 0 &&
          chunk_max_smem() >= std::max(layout::bwd_grad_smem_bytes(), layout::bwd_rev_smem_bytes(16));
 }
 
@@ -58,6 +58,11 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
     c.Rr = take(op * tiles * kChunk * size_t(c.Vpad));
     c.dX = take(op * tiles * kChunk * size_t(c.Vpad));
     c.dO = take(op * tiles * kChunk * size_t(c.Vpad));
+    if (a.decay == kDecayDiagonal) {
+      c.Qu = take(op * tiles * kChunk * kChunkKeys);
+      c.Ku = take(op * tiles * kChunk * kChunkKeys);
+      c.KWu = a.precond == kPrecondATK ? take(op * tiles * kChunk * kChunkKeys) : c.Ku;
+    }
   }
   return off;
 }

@@ -656,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         *reinterpret_cast<uint4*>(Qn + r * KP + c8) = xq;
         *reinterpret_cast<uint4*>(KWn + r * KP + c8) = xw;
         *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
+        if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
         continue;
       }
       *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
@@ -682,6 +683,18 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
 
   // Akk = beta_i (K KW^T)_ij e^(gamma_i - gamma_j) (j < i) and P = (Q KW^T)_ij e^(gamma_i - gamma_j) (j <= i).
   const int m0 = warp * 16;
+  if (diag && ca.bwd) {  // backward mode: the undecayed rows for the gradient kernel
+    Op* Qu = static_cast<Op*>(ca.Qu) + tile;
+    Op* Ku = static_cast<Op*>(ca.Ku) + tile;
+    Op* KWu = static_cast<Op*>(ca.KWu) + tile;
+    for (int e = tid; e < C * KP / 8; e += kThreads) {
+      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+      *reinterpret_cast<uint4*>(Qu + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+      *reinterpret_cast<uint4*>(Ku + r * KP + c8) = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+      if (atk) *reinterpret_cast<uint4*>(KWu + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+    }
+    __syncthreads();  // diag_decay_akk_p scales the rows in place
+  }
   if (diag) {
     diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh);
     __syncwarp();

@@ -163,6 +163,14 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
     Case v = make_random("gdn", {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64},
                          {0, 1, 1, 130, 200}, seed + 1);
     compare_backward("rand/gdn/varlen", v, DType::bf16, DType::f32, ws, nullptr);
+    dgps_test::Gen mixed;  // diagonal decay: blocks on tensor cores and blocks summed elementwise
+    mixed.g_lo = -12, mixed.g_hi = 0;
+    Case k = make_random("pkda", {.batch = 1, .time = 130, .heads = 1, .v_heads = 2, .key_dim = 128, .value_dim = 128},
+                         {}, seed + 2, mixed);
+    compare_backward("rand/pkda/T130", k, DType::bf16, DType::f32, ws, nullptr);
+    Case d = make_random("kda", {.batch = 1, .time = 100, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 64},
+                         {}, seed + 3, mixed);
+    compare_backward("rand/kda/T100", d, DType::bf16, DType::f32, ws, nullptr);
     return;
   }
   for (const char* m : {"la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn", "pkda", "pmamba2"}) {
@@ -189,13 +197,13 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
   }
   // Enough heads (B * HV >= 0.9 x the SMs of an H200) for the widest state-pass variants (128 value
   // columns per block), GVA and not.
-  for (const char* m : {"gdn", "pgdn"}) {
+  for (const char* m : {"gdn", "pgdn", "kda", "pkda"}) {
     Case c = make_random(m, {.batch = 8, .time = 130, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
                          {}, seed++);
     compare_backward(std::string("rand/") + m + "/B8T130H16", c, DType::bf16, DType::f32, ws, nullptr);
   }
   // Float32 inputs on the chunkwise (16-bit operand) backward when asked for.
-  for (const char* m : {"gdn", "pgdn"}) {
+  for (const char* m : {"gdn", "pgdn", "kda"}) {
     Case c = make_random(m, {.batch = 2, .time = 200, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {},
                          seed++);
     compare_backward(std::string("rand/") + m + "/f32_chunkwise", c, DType::f32, DType::f32, ws, nullptr,
@@ -209,6 +217,20 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
                          seed++, strong);
     compare_backward(std::string("rand/") + m + "/strong_decay", c, DType::f32, DType::f32, ws, nullptr);
     compare_backward(std::string("rand/") + m + "/strong_decay", c, DType::bf16, DType::f32, ws, nullptr);
+  }
+  // Diagonal decay on the chunkwise backward: gates in [-50, 0] in one head (16-row blocks on either
+  // side of the tensor-core limit), and gates in [-4, -3] (blocks spread by 45 to 60: the tensor cores
+  // carry factors up to e^60).
+  dgps_test::Gen mixed, steep;
+  mixed.g_lo = -50, mixed.g_hi = 0;
+  steep.g_lo = -4, steep.g_hi = -3;
+  for (const char* m : {"kda", "pkda", "gla"}) {
+    Case c = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, mixed);
+    compare_backward(std::string("rand/") + m + "/mixed_decay", c, DType::bf16, DType::f32, ws, nullptr);
+    Case d = make_random(m, {.batch = 1, .time = 200, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, {},
+                         seed++, steep);
+    compare_backward(std::string("rand/") + m + "/steep_decay", d, DType::bf16, DType::f32, ws, nullptr);
   }
   // A large case, bf16; a second run must give bitwise equal gradients (fixed-order reductions).
   for (const char* m : {"pgdn", "pkda"}) {
