@@ -189,8 +189,9 @@ void bench_forward(const char* model, int64_t B, int64_t T, int64_t H, int64_t K
         K, V, ms, bytes, 6.0 * K * V * H * B * T, impl});
 }
 
-/// Forward + backward (every gradient, no dhT/daT: a training step's recurrence) and backward alone,
-/// bf16 q/k/v/o/do, float32 gates, K = V = 128, one workspace reused by both calls.
+/// Forward + backward (every gradient, no dhT/daT: a training step's recurrence), with the training
+/// forward's saved activations and with the backward recomputing them, and backward alone; bf16
+/// q/k/v/o/do, float32 gates, K = V = 128, one workspace reused by every call.
 void bench_backward(const char* model, int64_t B, int64_t T, int64_t H) {
   using dgps::cuda::Tensor;
   const int64_t K = 128, V = 128;
@@ -220,18 +221,28 @@ void bench_backward(const char* model, int64_t B, int64_t T, int64_t H) {
   dgps::cuda::Workspace ws;
   const char* fwd_impl = "";
   const char* bwd_impl = "";
+  // A training step: the forward keeps its activations for the backward (forward_training); beside
+  // it, the plain forward followed by a backward that recomputes them.
   const double both = median_ms([&] {
-    fwd_impl = dgps::cuda::forward(p, ws, nullptr);
+    fwd_impl = dgps::cuda::forward_training(p, ws, nullptr);
     bwd_impl = dgps::cuda::backward(p, g, ws, nullptr);
   });
-  const double bwd = median_ms([&] { dgps::cuda::backward(p, g, ws, nullptr); });
+  const char* rec_impl = "";
+  const double both_rec = median_ms([&] {
+    dgps::cuda::forward(p, ws, nullptr);
+    rec_impl = dgps::cuda::backward(p, g, ws, nullptr);
+  });
+  const char* alone_impl = "";  // the backward alone recomputes the forward's activations
+  const double bwd = median_ms([&] { alone_impl = dgps::cuda::backward(p, g, ws, nullptr); });
   // Backward traffic: inputs and do read, a gradient of every input written, dh0/da0 written.
   const double bwd_bytes = 2.0 * pr.in_bytes + 2.0 * B * T * H * V + 4.0 * B * H * K * V + (prec ? 4.0 * B * H * K : 0);
   const double flops = 6.0 * K * V * H * B * T;
   const std::string shape = "_B" + std::to_string(B) + "_T" + std::to_string(T) + "_H" + std::to_string(H);
   emit({model, "fwdbwd" + shape, B, T, H, H, K, V, both, fwd_bytes + bwd_bytes, 3 * flops,
         std::string(fwd_impl) + "+" + bwd_impl, ws_bytes});
-  emit({model, "bwd" + shape, B, T, H, H, K, V, bwd, bwd_bytes, 2 * flops, bwd_impl, ws_bytes});
+  emit({model, "fwdbwd_recompute" + shape, B, T, H, H, K, V, both_rec, fwd_bytes + bwd_bytes, 3 * flops,
+        std::string(fwd_impl) + "+" + rec_impl, ws_bytes});
+  emit({model, "bwd" + shape, B, T, H, H, K, V, bwd, bwd_bytes, 2 * flops, alone_impl, ws_bytes});
 }
 
 void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, bool graph) {

@@ -93,12 +93,15 @@ def allow_hopper_gated_backward():
 
 def training(model, B, T, H, K=128, V=128):
     """Forward + backward of o = model(...) with the gradient of sum(o * do) for every input, and backward alone."""
-    q, k, v, g, beta, g_atk, beta_atk, center = inputs(B, T, H, H, K, V, diag=model == "pkda")
+    q, k, v, g, beta, g_atk, beta_atk, center = inputs(B, T, H, H, K, V, diag=model in ("pkda", "kda"))
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta, g_atk, beta_atk, center)]
     do = torch.randn_like(v)
     if model == "gdn":
         leaves = leaves[:5]
         fwd = lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    elif model == "kda":
+        leaves = leaves[:5]
+        fwd = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
     elif model == "pgdn":
         fwd = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, use_qk_l2norm_in_kernel=True,
                                                      log_atk_scale=center)[0]
@@ -173,7 +176,7 @@ def main():
                 print(f"fla,{m},fwd_B{B}_T{T}_H{H},error: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not only or "bwd" in only:
         allow_hopper_gated_backward()
-    for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("pkda", 8, 2048)):
+    for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("pkda", 8, 2048), ("kda", 8, 2048)):
         if only and ("bwd" not in only or (len(only) > 1 and m not in only)):  # "bwd" or e.g. "gdn,bwd"
             continue
         try:

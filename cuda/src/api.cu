@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -139,6 +140,7 @@ void* Workspace::get(size_t bytes) {
   if (ptr_) throw_on(cudaFree(ptr_), "workspace free");
   ptr_ = nullptr;
   bytes_ = 0;
+  saved_ = 0;
   const size_t rounded = (bytes + 255) / 256 * 256;
   throw_on(cudaMalloc(&ptr_, rounded), "workspace allocation");
   bytes_ = rounded;
@@ -228,6 +230,7 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
 const char* forward(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
   check(p, Call::forward);
+  ws.set_saved_forward(0);
   const kernels::RecArgs a = make_args(p);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // T = 0 has no chunks: the recurrent kernel copies h0/a0 to hT/aT.
@@ -238,6 +241,7 @@ const char* forward(const Params& p, Workspace& ws, void* stream) {
 const char* decode(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
   check(p, Call::decode);
+  ws.set_saved_forward(0);
   kernels::RecArgs a = make_args(p);
   a.hT = const_cast<float*>(a.h0);
   for (int d = 0; d < 3; ++d) a.shT[d] = a.sh0[d];
@@ -301,6 +305,30 @@ cudaError_t launch_bwd_typed(const kernels::BwdArgs& b, cudaStream_t s) {
   return kernels::launch_backward<Tin>(b, s);
 }
 
+/// A fingerprint of everything in `p` that a training forward's saved activations depend on (FNV-1a over
+/// the sizes, options and every input's pointer and strides); never 0.
+uint64_t fingerprint(const Params& p) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t x) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((x >> (8 * i)) & 0xffu)) * 1099511628211ull;
+  };
+  auto mixf = [&](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    mix(u);
+  };
+  mix(uint64_t(p.spec.decay)), mix(uint64_t(p.spec.gain)), mix(uint64_t(p.spec.precond)), mix(uint64_t(p.spec.solve));
+  mix(uint64_t(p.dtype)), mix(uint64_t(p.gate_dtype)), mix(uint64_t(p.algorithm)), mix(uint64_t(p.l2norm));
+  for (int64_t x : {p.B, p.T, p.H, p.HV, p.K, p.V, p.N}) mix(uint64_t(x));
+  for (const Tensor* t : {&p.q, &p.k, &p.v, &p.g, &p.beta, &p.g_p, &p.beta_p, &p.center, &p.h0, &p.a0}) {
+    mix(reinterpret_cast<uintptr_t>(t->data));
+    for (int64_t s : t->stride) mix(uint64_t(s));
+  }
+  mix(reinterpret_cast<uintptr_t>(p.cu_seqlens));
+  mixf(p.scale), mixf(p.x), mixf(p.eps);
+  return h ? h : 1;
+}
+
 /// Whether a backward call runs the chunkwise (tensor-core) kernels: for 16-bit inputs unless the
 /// recurrent algorithm is asked for (float32 inputs only when chunkwise is asked for), when they cover it.
 bool use_chunk_backward(const Params& p, const kernels::RecArgs& a) {
@@ -320,10 +348,10 @@ size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
 
 /// Sets up the chunkwise backward's arguments of `p` in `c` (null when it does not run) and returns them.
 kernels::ChunkArgs* chunk_backward_args(const Params& p, const GradParams& g, kernels::BwdArgs& b,
-                                        kernels::ChunkArgs& c) {
+                                        kernels::ChunkArgs& c, bool training_forward = false) {
   if (!use_chunk_backward(p, b.a)) return nullptr;
   kernels::RecArgs a = b.a;
-  a.o = nullptr, a.hT = nullptr, a.aT = nullptr;  // the forward's outputs are not written
+  if (!training_forward) a.o = nullptr, a.hT = nullptr, a.aT = nullptr;  // the forward's outputs are not written
   c = make_chunk_args(p, a);
   c.bwd = true;
   c.vec_do = vec_rows(g.d_o, p.V);
@@ -339,6 +367,29 @@ size_t backward_workspace_bytes(const Params& p) {
   return layout_backward(b, chunk_backward_args(p, GradParams{}, b, c), nullptr);
 }
 
+const char* forward_training(const Params& p, Workspace& ws, void* stream) {
+  require(available(), "no usable GPU");
+  check(p, Call::forward);
+  kernels::BwdArgs b = make_bwd_args(p, GradParams{});
+  kernels::ChunkArgs c;
+  kernels::ChunkArgs* cp = chunk_backward_args(p, GradParams{}, b, c, true);
+  if (!cp) return forward(p, ws, stream);  // the backward is not chunkwise: nothing to keep
+  void* base = ws.get(layout_backward(b, cp, nullptr));
+  layout_backward(b, cp, base);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const char* impl = "cuda/chunkwise";
+  cudaError_t e = cudaSuccess;
+  switch (p.dtype) {
+    case DType::f32: e = launch_chunk_typed<float>(c, s, &impl); break;
+    case DType::bf16: e = launch_chunk_typed<__nv_bfloat16>(c, s, &impl); break;
+    case DType::f16: e = launch_chunk_typed<__half>(c, s, &impl); break;
+  }
+  ws.set_saved_forward(0);
+  throw_on(e, "chunkwise kernel launch");
+  ws.set_saved_forward(fingerprint(p));
+  return impl;
+}
+
 const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
   check(p, Call::backward);
@@ -348,6 +399,8 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   kernels::ChunkArgs* cp = chunk_backward_args(p, g, b, c);
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
+  if (cp) c.saved = ws.saved_forward() != 0 && ws.saved_forward() == fingerprint(p);
+  ws.set_saved_forward(0);  // the backward overwrites the saved tiles
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
   switch (p.dtype) {
@@ -356,7 +409,8 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
     case DType::f16: e = launch_bwd_typed<__half>(b, s); break;
   }
   throw_on(e, "backward kernel launch");
-  return cp ? "cuda/backward/chunkwise" : "cuda/backward/recurrent";
+  if (!cp) return "cuda/backward/recurrent";
+  return c.saved ? "cuda/backward/chunkwise/saved" : "cuda/backward/chunkwise";
 }
 
 }  // namespace dgps::cuda

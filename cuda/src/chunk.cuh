@@ -111,8 +111,10 @@ struct ChunkArgs {
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
   // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
-  // T2; the state pass writes the chunk-entry states and r instead of o.
+  // T2, and P Diag(beta) in P's place; the state pass writes the chunk-entry states and r (and o
+  // when a.o is set: a training forward, api.cu's forward_training).
   bool bwd = false;
+  bool saved = false;  ///< backward: a training forward already filled this workspace (no recompute)
   bool vec_do = false;  ///< do rows can be read 16 bytes at a time
   float *rq = nullptr,
         *rk = nullptr;  ///< [B * T, H] inverse norms of q and k, written by the intra-chunk kernel when set

@@ -124,16 +124,14 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
   const float gl = s_gam[p.L - 1];
   scale_rows<KP>(sKW, sKW, LDK, C,  // KW rows times beta Ed (zero past L)
                  [&](int r) { return r < p.L ? s_beta[r] * __expf(gl - s_gam[r]) : 0.f; });
-  // Y = Diag(beta) P^T dO, rows m0 .. m0 + 15 (A = P^T: P is stored [k][m]).
+  // Y = Diag(beta) P^T dO, rows m0 .. m0 + 15 (A = (P Diag(beta))^T: the workspace holds P Diag(beta)
+  // stored [k][m]).
   {
     uint32_t fa[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sP, LDC, m0, kk * 16);
-    const int ra = acc_row(m0, 0);
-    const float b0 = s_beta[ra], b1 = s_beta[ra + 8];
     rows_times<Op>(fa, sDO, LDK, int(Vp), [&](int e, int n, float x, float y) {
-      const float bb = e ? b1 : b0;
-      store2(sY + acc_row(m0, e) * LDK + acc_col(n, e), x * bb, y * bb);
+      store2(sY + acc_row(m0, e) * LDK + acc_col(n, e), x, y);
     });
   }
   __syncthreads();  // Y and KWn ⊙ Ed complete; do is no longer read (its rows become staging)
@@ -867,7 +865,7 @@ __device__ __forceinline__ float squash_grad_fast(float A, float center, float l
 
 /// Rows of a sub-chunk of the key-gradient kernels (their per-row values live in registers and
 /// shared memory one sub-chunk at a time).
-constexpr int kKeySub = 16;
+constexpr int kKeySub = 8;
 
 /// Shared per-row inputs of the key-gradient kernels: e^{g_p}, beta_p, and the inverse norms of q, k.
 struct KeyRows {
@@ -1017,7 +1015,7 @@ __global__ void key_carry_kernel(const ChunkArgs ca, const BwdArgs bw) {
 /// Sub-chunk by sub-chunk from the last: threads own channels for the scan, then warps own rows for
 /// the row sums (fixed order) and the norm.
 template <class Tin>
-__global__ void __launch_bounds__(kThreads) key_apply_kernel(const ChunkArgs ca, const BwdArgs bw) {
+__global__ void __launch_bounds__(kThreads, 6) key_apply_kernel(const ChunkArgs ca, const BwdArgs bw) {
   const RecArgs& a = ca.a;
   constexpr int LD = KP + 1;
   __shared__ KeyRows s;
@@ -1159,7 +1157,8 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   const RecArgs& a = ca.a;
   if (ca.chunk_bound == 0) return cudaSuccess;
   const char* impl = nullptr;
-  cudaError_t e = launch_all<Tin, Op>(ca, stream, &impl);  // intra-chunk kernel and state pass, backward mode
+  // The intra-chunk kernel and state pass in backward mode, unless a training forward ran them.
+  cudaError_t e = ca.saved ? cudaSuccess : launch_all<Tin, Op>(ca, stream, &impl);
   if (e != cudaSuccess) return e;
   const dim3 tiles(static_cast<unsigned>(ca.chunk_bound), a.HV);
   static const cudaError_t set_prep = allow_smem(bwd_prep_kernel<Tin, Op>, bwd_prep_smem_bytes());

@@ -353,6 +353,20 @@ __device__ __forceinline__ void load16(float* x, const float* row, int c0) {
       *reinterpret_cast<float4*>(x + 8 * h + j) = *reinterpret_cast<const float4*>(row + c0 + 64 * h + j);
 }
 
+/// Backward mode: one warp scales column j of its 16 staged rows of P (row stride LDC) by beta_j, so
+/// that the workspace holds P Diag(beta) (the state pass's o = ... + P Diag(beta) r, the prep kernel's
+/// Diag(beta) P^T do).
+template <class Op>
+__device__ __forceinline__ void times_beta_cols(Op* rows, const float* s_beta) {
+  const int lane = threadIdx.x & 31;
+  for (int e = lane; e < 16 * C / 2; e += 32) {
+    const int r = e / (C / 2), j = (e % (C / 2)) * 2;
+    Op* x = rows + r * LDC + j;
+    store2(x, to_float(x[0]) * s_beta[j], to_float(x[1]) * s_beta[j + 1]);
+  }
+  __syncwarp();
+}
+
 /// Largest spread of gamma over a 16-row block for which the diagonal block also runs on tensor
 /// cores: its products then carry a factor up to e^spread (bf16 reaches e^88, f16 e^11).
 template <class Op>
@@ -698,6 +712,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   if (diag) {
     diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh);
     __syncwarp();
+    if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
     copy_rows16(static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C + m0 * C, C, sPst + m0 * LDC, LDC, C);
   } else {
     float accA[8][4], accP[8][4];
@@ -745,6 +760,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         }
       }
     __syncwarp();
+    if (ca.bwd) times_beta_cols(sTm + m0 * LDC, s_beta);
     copy_rows16(P + m0 * C, C, sTm + m0 * LDC, LDC, C);
   }
   __syncthreads();
@@ -939,6 +955,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     sS[row * LDV + col - v0] = from_float<Op>(x);
   });
   Tin* o = static_cast<Tin*>(a.o);
+  const bool want_o = !CKPT || o != nullptr;  // backward mode: o too for a training forward (P holds P Diag(beta))
   const int m0 = 16 * (warp % 4), c0 = (warp / 4) * NTW * 8;
   // Backward mode: the gains of rows m0 + lane / 4 (+ 8) of chunk ci (0 past the sequence).
   auto load_gains = [&](int64_t ci, float* gains) {
@@ -981,13 +998,13 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll 2
     for (int k0 = 0; k0 < KP; k0 += 16) {
       uint32_t fw[4], fq[4];
-      if (!CKPT) load_a(fq, sQ, LDK, m0, k0);
+      if (want_o) load_a(fq, sQ, LDK, m0, k0);
       if (a.online) load_a(fw, sW, LDK, m0, k0);
 #pragma unroll
       for (int nt = 0; nt < NTW; nt += 2) {
         uint32_t fb[4];
         load_b_t(fb, sS, LDV, k0, c0 + nt * 8);
-        if (!CKPT) {
+        if (want_o) {
           mma<Op>(acc_o[nt], fq, fb);
           mma<Op>(acc_o[nt + 1], fq, fb + 2);
         }
@@ -1022,7 +1039,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
     if (CKPT) store_tile<VT>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
       // O += P R.
 #pragma unroll
-    for (int k0 = 0; k0 < (CKPT ? 0 : C); k0 += 16) {
+    for (int k0 = 0; k0 < (want_o ? C : 0); k0 += 16) {
       uint32_t fp[4];
       load_a(fp, sP, LDC, m0, k0);
 #pragma unroll
@@ -1038,7 +1055,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = acc_row(m0, e), col = v0 + acc_col(c0 + 8 * nt, e);
-        if (!CKPT && i < L && col < a.V)
+        if (want_o && i < L && col < a.V)
           o[b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col] = from_float<Tin>(acc_o[nt][e]);
       }
       // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)) (Diagonal decay: state row c times e^gamma_C[c]).

@@ -79,15 +79,24 @@ class Workspace {
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   /// Moves the buffer; the source becomes empty.
-  Workspace(Workspace&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr, o.bytes_ = 0; }
-  /// At least `bytes` of device memory, 256-byte aligned; valid until the next call with more bytes.
+  Workspace(Workspace&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_), saved_(o.saved_) {
+    o.ptr_ = nullptr, o.bytes_ = 0, o.saved_ = 0;
+  }
+  /// At least `bytes` of device memory, 256-byte aligned; valid until the next call with more bytes
+  /// (growing drops the saved forward, see saved_forward()).
   void* get(size_t bytes);
   /// Bytes currently held.
   size_t bytes() const { return bytes_; }
+  /// Fingerprint of the training forward (forward_training) whose activations the workspace holds, 0
+  /// for none. forward_training sets it; every other call that uses the workspace clears it.
+  uint64_t saved_forward() const { return saved_; }
+  /// Sets the fingerprint (the library's calls do; 0 forgets the saved forward).
+  void set_saved_forward(uint64_t key) { saved_ = key; }
 
  private:
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+  uint64_t saved_ = 0;
 };
 
 /// True when the CUDA runtime finds a usable GPU (false on a machine without a GPU or driver).
@@ -114,6 +123,15 @@ constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
 /// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
 const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);
+
+/// Forward pass of a training step: writes what `forward` writes and keeps in `ws` the activations
+/// the chunkwise backward needs (its intra-chunk tiles, chunk-entry states and residuals), so that a
+/// following `backward(p, g, ws, stream)` with the same `p` skips recomputing the forward (about a
+/// third of a training step). The workspace then holds backward_workspace_bytes(p). The inputs must
+/// not change between the two calls; any other call on `ws` in between (or a `p` that differs in a
+/// pointer, stride, size or option) makes the backward recompute, so results never depend on it.
+/// Where the backward is not chunkwise (see `backward`) this is `forward`. Returns the kernel's name.
+const char* forward_training(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Decode: `p.T` (1 to a few) new tokens for each of `p.B` sequences (`p.N == p.B`, no cu_seqlens),
 /// continuing from the states `p.h0`/`p.a0` (a pool of states addressed through `p.slots`, or one
@@ -145,9 +163,10 @@ constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, 
 /// atomics (two calls on the same inputs give bitwise equal gradients):
 ///  - chunkwise, on tensor cores (16-bit operands, float32 accumulation and state gradient; 64-token
 ///    chunks, SPEC §4): for bf16/f16 inputs by default (float32 inputs with Algorithm::chunkwise)
-///    when the chunkwise forward covers the call (K, V <= 128), the decay is none or scalar and K >= 64.
-///    Returns "cuda/backward/chunkwise";
-///  - otherwise (Algorithm::recurrent, float32 inputs, diagonal decay, K < 64), float32 state
+///    when the chunkwise forward covers the call (K, V <= 128, every decay) and K >= 64. Right after
+///    forward_training(p, ws) it starts from the saved activations. Returns "cuda/backward/chunkwise"
+///    ("cuda/backward/chunkwise/saved" when it did);
+///  - otherwise (Algorithm::recurrent, float32 inputs, K < 64), float32 state
 ///    arithmetic throughout: a recurrent pass saves the state every 64 tokens, a reverse pass carries
 ///    its gradient, and the per-token gradients are formed chunk by chunk. Returns
 ///    "cuda/backward/recurrent".

@@ -1,6 +1,7 @@
 /// @brief Shared by the GPU tests: device buffers, typed uploads, case inputs as dgps::cuda::Params, ok/FAIL lines.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -202,6 +203,25 @@ inline Case make_random(const char* model, dgps::Shape s, std::vector<int64_t> c
   Case c = dgps_test::random_case(dgps::model_by_name(model), s, cu, seed, gen);
   c.opt = dgps::Options{};
   return c;
+}
+
+/// The float64 reference forward of a case (dgps::reference, SPEC §2 token by token).
+inline Arrays reference_forward(const Case& c) {
+  return dgps::dispatch(c.spec, [&]<class R>() {
+    dgps_test::CaseTensors<double> ct(c);
+    const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
+    std::vector<double> o(std::max<int64_t>(c.shape.batch * c.shape.time * HV * V, 1));
+    std::vector<double> hT(c.N * HV * K * V), aT(c.N * H * K);
+    auto in = ct.inputs(c);
+    auto out = dgps::outputs<double>(o.data()).final_state(
+        hT.data(), c.spec.precond == dgps::precond::Kind::identity ? nullptr : aT.data());
+    const auto p = dgps::detail::check_forward<R>(in, out, c.opt);
+    dgps::reference::forward<R, double, double>(p, 1);
+    o.resize(c.shape.batch * c.shape.time * HV * V);
+    Arrays r{{"o", o}, {"hT", hT}};
+    if (c.spec.precond != dgps::precond::Kind::identity) r["aT"] = aT;
+    return r;
+  });
 }
 
 /// The backward-pass tests (test_cuda_backward.cpp); `quick`: float32 conformance and one small random case.

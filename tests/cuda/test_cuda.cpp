@@ -16,25 +16,6 @@ namespace {
 
 using namespace dgps_gpu_test;
 
-/// The float64 reference forward of a case (dgps::reference, SPEC §2 token by token).
-Arrays reference_forward(const Case& c) {
-  return dgps::dispatch(c.spec, [&]<class R>() {
-    dgps_test::CaseTensors<double> ct(c);
-    const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
-    std::vector<double> o(std::max<int64_t>(c.shape.batch * c.shape.time * HV * V, 1));
-    std::vector<double> hT(c.N * HV * K * V), aT(c.N * H * K);
-    auto in = ct.inputs(c);
-    auto out = dgps::outputs<double>(o.data()).final_state(
-        hT.data(), c.spec.precond == dgps::precond::Kind::identity ? nullptr : aT.data());
-    const auto p = dgps::detail::check_forward<R>(in, out, c.opt);
-    dgps::reference::forward<R, double, double>(p, 1);
-    o.resize(c.shape.batch * c.shape.time * HV * V);
-    Arrays r{{"o", o}, {"hT", hT}};
-    if (c.spec.precond != dgps::precond::Kind::identity) r["aT"] = aT;
-    return r;
-  });
-}
-
 /// The algorithm the GPU runs in gpu_forward (tests switch it per section).
 dgps::Algorithm g_alg = dgps::Algorithm::automatic;
 
