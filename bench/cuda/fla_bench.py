@@ -176,7 +176,7 @@ def main():
                 print(f"fla,{m},fwd_B{B}_T{T}_H{H},error: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not only or "bwd" in only:
         allow_hopper_gated_backward()
-    for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("pkda", 8, 2048), ("kda", 8, 2048)):
+    for m, B, T in (("pgdn", 8, 2048), ("gdn", 8, 2048), ("pgdn", 1, 32768), ("kda", 8, 2048), ("pkda", 8, 2048)):
         if only and ("bwd" not in only or (len(only) > 1 and m not in only)):  # "bwd" or e.g. "gdn,bwd"
             continue
         try:

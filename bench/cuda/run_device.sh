@@ -32,7 +32,7 @@ if [[ $what == all || $what == fla ]]; then
 fi
 if [[ $what == all || $what == sanitize ]]; then
   for tool in memcheck racecheck; do
-    timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 .device/dgps_cuda_tests --quick > "$out/sanitize_$tool.log" 2>&1
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 .device/dgps_cuda_tests --quick > "$out/sanitize_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$? ($(grep -c '^ok ' "$out/sanitize_$tool.log") checks ok)"
     grep -E "ERROR SUMMARY|FAIL|Invalid|Race" "$out/sanitize_$tool.log" | head -5
   done

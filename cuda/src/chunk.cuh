@@ -50,11 +50,15 @@ constexpr int LDG = KP + 8;
 /// Dynamic shared memory of the intra-chunk kernel: q, k (and kw for DiagonalATK) tiles, Tm, the solve region.
 /// With Diagonal decay a third tile holds the rescaled kw, and the C x C staging tile and the solve's
 /// scratch live in the gamma tile's place (see intra_kernel), so KDA and PKDA keep two blocks per SM.
+/// DiagonalATK with scalar or no decay: no Tm tile and no scratch in the solve region (they live in
+/// Tinv's place and the q tile), so PGDN and PDN keep three blocks per SM like GDN.
 constexpr size_t intra_smem_bytes(bool atk, bool diag = false) {
-  return diag ? sizeof(uint16_t) * 3 * C * LDK + sizeof(float) * 4 * 16 * 17 + sizeof(uint16_t) * 2 * C * LDC +
+  return diag  ? sizeof(uint16_t) * 3 * C * LDK + sizeof(float) * 4 * 16 * 17 + sizeof(uint16_t) * 2 * C * LDC +
                     sizeof(float) * C * LDG
-              : sizeof(uint16_t) * ((atk ? 3 : 2) * C * LDK + C * LDC) + kSolveBytes;
+         : atk ? sizeof(uint16_t) * (3 * C * LDK + 2 * C * LDC) + sizeof(float) * 4 * 16 * 17
+               : sizeof(uint16_t) * (2 * C * LDK + C * LDC) + kSolveBytes;
 }
+static_assert(sizeof(uint16_t) * C * LDK >= sizeof(uint16_t) * 4 * 16 * 24, "the q tile holds the solve's scratch");
 static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8) + 4 * 16 * 24),
               "the gamma tile holds the v tile and the solve's scratch");
 /// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,

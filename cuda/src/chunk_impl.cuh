@@ -534,15 +534,21 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // Diagonal decay (intra_smem_bytes(atk, true)): the solve region without its scratch, then the
   // per-channel gamma [C][LDG]; P is staged in Tinv's place, gamma's region holds the solve's scratch
   // once the decayed tiles are out and then the v tile, and Tm takes Akk's place after the solve.
-  Op* sTm = diag ? nullptr : sEnd;                                      // [C][LDC]
-  float* sAd = reinterpret_cast<float*>(diag ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks (float32)
-  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);           // [C][LDC] Akk below the diagonal blocks
-  __half* sTh = sAh + C * LDC;                                          // [C][LDC] Tinv (lower block triangle)
-  float* sG = reinterpret_cast<float*>(sTh + C * LDC);                  // [C][LDG] per-channel gamma (Diagonal decay)
-  __half* sXh = diag ? reinterpret_cast<__half*>(sG) : sTh + C * LDC;   // [4][16][24] per-warp scratch
-  Op* sV = diag ? reinterpret_cast<Op*>(sG) : reinterpret_cast<Op*>(sAd);  // [C][LDV]
-  Op* sPst = diag ? reinterpret_cast<Op*>(sTh) : sTm;                      // P's staging
+  // DiagonalATK with scalar or no decay (`atk_nd`, a third key tile: intra_smem_bytes(true, false)
+  // keeps three blocks per SM): the solve region without its scratch; the tiles go out before the
+  // solve, so the scratch lives in the q tile and the v tile in kw's; P is staged in Tinv's place and
+  // Tm is formed in place of Tinv.
+  const bool atk_nd = atk && !diag;
+  Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
+  float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
+  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
+  __half* sTh = sAh + C * LDC;                                 // [C][LDC] Tinv (lower block triangle)
+  float* sG = reinterpret_cast<float*>(sTh + C * LDC);         // [C][LDG] per-channel gamma (Diagonal decay)
+  __half* sXh = diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
+  Op* sV = diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
+  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                             // P's staging
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
+  if (atk_nd) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
   __shared__ float s_gam[C], s_beta[C], s_gp[C], s_bp[C], s_eg[C];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -746,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
         const float d0 = j <= i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
         const float d1 = j + 1 <= i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
-        store2(sTm + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
+        store2(sPst + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
         if (a.online) {  // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
           const float x0 = j < i ? s_beta[ca.bwd ? j : i] * accA[nt][e] * d0 : 0.f;
           const float x1 = j + 1 < i ? s_beta[ca.bwd ? j + 1 : i] * accA[nt][e + 1] * d1 : 0.f;
@@ -760,11 +766,11 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         }
       }
     __syncwarp();
-    if (ca.bwd) times_beta_cols(sTm + m0 * LDC, s_beta);
-    copy_rows16(P + m0 * C, C, sTm + m0 * LDC, LDC, C);
+    if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
+    copy_rows16(P + m0 * C, C, sPst + m0 * LDC, LDC, C);
   }
   __syncthreads();
-  if (diag) {  // the decayed tiles out now: gamma's region is the solve's scratch from here on
+  if (diag || atk_nd) {  // the tiles out now: gamma's region (or the q tile) is the solve's scratch from here on
     tiles_out();
     __syncthreads();
   }
@@ -837,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = *reinterpret_cast<const uint4*>(t8);
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
-  if (!diag) tiles_out();
+  if (!diag && !atk_nd) tiles_out();
   {  // v rows into the (now free) Akk / inverse region
     const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
     if (ca.Vpad == 64)
