@@ -170,6 +170,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
                                    : nullptr;
   const bool cached = sv != nullptr;
   const int64_t nst = cached ? 1 : nch;  // chunks held by the per-chunk stores
+  // With the cache and one value head per key head, the per-token arrays hold one chunk's rows (the
+  // token pass runs chunk by chunk, each chunk's rows consumed before the next): token t at row
+  // t - tbase, tbase the chunk's first token (the same lines reused, where all of a 4096-token
+  // sequence's rows took fresh ones: about 1 MB per head for PGDN).
+  const bool local = cached && r == 1;
+  const int64_t rows = local ? C : len;
+  int64_t tbase = 0;
+  auto trow = [&](int64_t t) { return (t - tbase) * Kp; };
 
   // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
   // Per token [len, Kp]: normalised q, k, read queries, write keys, squash M, statistics A_t, dM/dA, the
@@ -204,11 +212,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       ptr = base ? base + off : nullptr;
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
-    const int64_t nt = len * Kp;
+    const int64_t nt = rows * Kp;
     const int64_t ng = (r == 1 ? C : len) * Kp;
-    take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, len), take(rk, len);
+    take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, rows), take(rk, rows);
     take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
-    take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt : 0), take(Dt, s.diag_pre ? nt : 0);
+    take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt + Kp : 0), take(Dt, s.diag_pre ? nt : 0);
+    if (At) At += Kp;  // row -1: the statistics entering the first row held
     take(SinT, nst * Vd * ldk), take(RT, nst * Vd * ldr), take(Rs, nst * C * ldv), take(Bms, nst * C * Cp);
     take(Aqs, nst * C * Cp);
     return off;
@@ -266,25 +275,25 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // Tokens [ta, tb), the statistics entering them being `a_in` (A0 for ta = 0); with ta > 0 also writes
   // a_in to row ta - 1 of At, which the reverse token pass reads.
   auto token_rows = [&](int64_t ta, int64_t tb, const T* a_in) {
-    if (s.diag_pre && ta > 0 && a_in != At + (ta - 1) * Kp)
-      std::memcpy(At + (ta - 1) * Kp, a_in, size_t(Kp) * sizeof(T));
+    if (s.diag_pre && ta > 0 && a_in != At + trow(ta - 1))
+      std::memcpy(At + trow(ta - 1), a_in, size_t(Kp) * sizeof(T));
     for (int64_t t = ta; t < tb; ++t) {
       const int64_t ti = t0 + t;
       if (t + 8 < tb) {
         prefetch(s.qrow(b, ti + 8, h), K * int64_t(sizeof(T)));
         prefetch(s.krow(b, ti + 8, h), K * int64_t(sizeof(T)));
       }
-      load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + t * Kp, rq + t);
-      load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + t * Kp, rk + t);
-      for (int64_t c = K; c < Kp; ++c) Qn[t * Kp + c] = Kn[t * Kp + c] = 0;
+      load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + trow(t), rq + (t - tbase));
+      load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + trow(t), rk + (t - tbase));
+      for (int64_t c = K; c < Kp; ++c) Qn[trow(t) + c] = Kn[trow(t) + c] = 0;
       if (s.diag_pre) {
         const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-        const T* prev = t > ta ? At + (t - 1) * Kp : a_in;
-        const T* kn = Kn + t * Kp;
-        for (int64_t c = 0; c < Kp; ++c) At[t * Kp + c] = a * prev[c] + bb * kn[c] * kn[c];
+        const T* prev = t > ta ? At + trow(t - 1) : a_in;
+        const T* kn = Kn + trow(t);
+        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = a * prev[c] + bb * kn[c] * kn[c];
       }
     }
-    const int64_t o = ta * Kp, n = (tb - ta) * Kp;
+    const int64_t o = trow(ta), n = (tb - ta) * Kp;
     if (s.diag_pre) squash_slope(At + o, Mt + o, Dt + o, n, ctr, s.log_x, s.eps);
     if (s.atq)
       for (int64_t i = o; i < o + n; ++i) Qr[i] = Qn[i] * Mt[i];
@@ -326,9 +335,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < Kp; ++ch) eC[ch] = ec;
     }
     for (int64_t i = 0; i < c; ++i) {
-      const T* q = Qr + (cs + i) * Kp;
-      const T* k = Kn + (cs + i) * Kp;
-      const T* w = KW + (cs + i) * Kp;
+      const T* q = Qr + trow(cs + i);
+      const T* k = Kn + trow(cs + i);
+      const T* w = KW + trow(cs + i);
       const int64_t o = i * Kp;
       for (int64_t ch = 0; ch < Kp; ch += L) {
         const V e = vload(E + o + ch), kne = vload(k + ch) * e;
@@ -346,7 +355,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     };
     if (forward_sweep) {
       transpose(c, K, KWd, Kp, KWdT, Cp), pad(KWdT, Cp, 0);
-      transpose(c, K, KW + cs * Kp, Kp, KWT, Cp), pad(KWT, Cp, 0);
+      transpose(c, K, KW + trow(cs), Kp, KWT, Cp), pad(KWT, Cp, 0);
     } else {
       transpose(c, K, Qd, Kp, QKdT, C2), pad(QKdT, C2, 0);
       transpose(c, K, Kd, Kp, QKdT + Cp, C2), pad(QKdT, C2, Cp);
@@ -365,15 +374,15 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = Gam[(i0 + i) * Kp + ch] - g0[ch];
       exp_inplace(f, Kp);
       for (int64_t ch = 0; ch < Kp; ++ch) {
-        LQK[i * Kp + ch] = Qr[(cs + i0 + i) * Kp + ch] * f[ch];
-        LQK[(kSub + i) * Kp + ch] = Kn[(cs + i0 + i) * Kp + ch] * f[ch];
+        LQK[i * Kp + ch] = Qr[trow(cs + i0 + i) + ch] * f[ch];
+        LQK[(kSub + i) * Kp + ch] = Kn[trow(cs + i0 + i) + ch] * f[ch];
       }
     }
     for (int64_t j = 0; j < jn; ++j) {
       T* f = Fj + j * Kp;
       for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = g0[ch] - Gam[j * Kp + ch];
       exp_inplace(f, Kp);
-      for (int64_t ch = 0; ch < Kp; ++ch) KWt[j * Kp + ch] = KW[(cs + j) * Kp + ch] * f[ch];
+      for (int64_t ch = 0; ch < Kp; ++ch) KWt[j * Kp + ch] = KW[trow(cs + j) + ch] * f[ch];
     }
   };
 
@@ -381,7 +390,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // diagonal) (SPEC §4).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
     if (!diag) {
-      intra_scalar(c, Cp, K, Kn + cs * Kp, Qr + cs * Kp, Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
+      intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
                    Aq, tmp);
       return;
     }
@@ -405,11 +414,11 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (fact) continue;
       for (int64_t i = i0; i < i0 + nb; ++i) {
         const T* gi = Gam + i * Kp;
-        const T* q = Qr + (cs + i) * Kp;
-        const T* k = Kn + (cs + i) * Kp;
+        const T* q = Qr + trow(cs + i);
+        const T* k = Kn + trow(cs + i);
         for (int64_t j = i0; j <= i; ++j) {
           const T* gj = Gam + j * Kp;
-          const T* w = KW + (cs + j) * Kp;
+          const T* w = KW + trow(cs + j);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
           exp_inplace(tmp, Kp);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
@@ -443,9 +452,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
   auto token_grad = [&](int64_t t) {
     const int64_t ti = t0 + t;
-    const T* qn = Qn + t * Kp;
-    const T* kn = Kn + t * Kp;
-    const T* m = Mt + t * Kp;
+    const T* qn = Qn + trow(t);
+    const T* kn = Kn + trow(t);
+    const T* m = Mt + trow(t);
     const T* gq = dQr + grad_row(t);
     const T* gk = dKn + grad_row(t);
     const T* gw = dKW + grad_row(t);
@@ -456,9 +465,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
     if (s.diag_pre) {
       const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-      const T* cur = At + t * Kp;
-      const T* prev = t ? At + (t - 1) * Kp : A0;
-      const T* slope = Dt + t * Kp;
+      const T* cur = At + trow(t);
+      const T* prev = t ? At + trow(t - 1) : A0;
+      const T* slope = Dt + trow(t);
       // dr = dM/dr (through M's slope), dAc = dL/dA_t; the gate sums are dots of these rows.
       T* dr = dx;
       T* dAc = qh;
@@ -487,15 +496,15 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t c = 0; c < K; ++c) qh[c] = qn[c] * inv;
         } else {
           const T* x = s.qrow(b, ti, h);
-          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t];
+          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t - tbase];
         }
       }
-      norm_backward(qh, rq[t], K, p.l2norm, s.scale, dqn, dx);
+      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn, dx);
       std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
                   size_t(K) * sizeof(T));
     }
     if (p.dk.data) {
-      norm_backward(kn, rk[t], K, p.l2norm, T(1), dkn, dx);
+      norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn, dx);
       std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
                   size_t(K) * sizeof(T));
     }
@@ -575,6 +584,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     const T* SinTc = SinT + cj * Vd * ldk;
     const T* RTc = RT + cj * Vd * ldr;
     const T* Rc = Rs + cj * C * ldv;
+    if (local) tbase = cs;
     if (cached && jh == 0)
       token_rows(cs, cs + c, ci == 0 ? A0 : sv + (h * r * nch + ci) * p.saved_block + p.saved_aoff);
     build(cs, c, hv, false);
@@ -663,13 +673,13 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
             vstore(dB + i * Cp + j, vload(dB + i * Cp + j) * vload(tmp + j));
           }
         }
-      gemm(c, Kp, c, dAq, Cp, KW + cs * Kp, Kp, dQi, Kp, false, Tri::a_lower);
-      if (online) gemm(c, Kp, c, dB, Cp, KW + cs * Kp, Kp, dKi, Kp, false, Tri::a_lower);
+      gemm(c, Kp, c, dAq, Cp, KW + trow(cs), Kp, dQi, Kp, false, Tri::a_lower);
+      if (online) gemm(c, Kp, c, dB, Cp, KW + trow(cs), Kp, dKi, Kp, false, Tri::a_lower);
       transpose(c, c, dAq, Cp, AqT, Cp);
-      gemm_upper(c, Kp, AqT, Cp, Qr + cs * Kp, Kp, dKWi, Kp, false);
+      gemm_upper(c, Kp, AqT, Cp, Qr + trow(cs), Kp, dKWi, Kp, false);
       if (online) {
         transpose(c, c, dB, Cp, dBT, Cp);
-        gemm_upper(c, Kp, dBT, Cp, Kn + cs * Kp, Kp, dKWi, Kp, true);
+        gemm_upper(c, Kp, dBT, Cp, Kn + trow(cs), Kp, dKWi, Kp, true);
       }
     } else {
       for (int64_t i0 = 0; i0 < c; i0 += kSub) {
@@ -680,12 +690,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         const int64_t jn = fact ? i0 + nb : i0;
         for (int64_t i = i0; !fact && i < i0 + nb; ++i) {
           const T* gi = Gam + i * Kp;
-          const T* q = Qr + (cs + i) * Kp;
-          const T* k = Kn + (cs + i) * Kp;
+          const T* q = Qr + trow(cs + i);
+          const T* k = Kn + trow(cs + i);
           for (int64_t j = i0; j < i; ++j) {
             const T a = dAq[i * Cp + j], bq = dB[i * Cp + j];
             const T* gj = Gam + j * Kp;
-            const T* w = KW + (cs + j) * Kp;
+            const T* w = KW + trow(cs + j);
             for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
             exp_inplace(tmp, Kp);
             T* dq = dQi + i * Kp;
@@ -754,9 +764,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
     for (int64_t i = 0; i < c; ++i) {
       const int64_t t = cs + i;
-      const T* q = Qr + t * Kp;
-      const T* k = Kn + t * Kp;
-      const T* w = KW + t * Kp;
+      const T* q = Qr + trow(t);
+      const T* k = Kn + trow(t);
+      const T* w = KW + trow(t);
       T* gq = dQr + grad_row(t);
       T* gk = dKn + grad_row(t);
       T* gw = dKW + grad_row(t);
