@@ -77,6 +77,16 @@ inline T dotv(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
+/// dst[i] = src[i] for i < n: an inline vector loop for rows of a few hundred bytes (no library call
+/// per row).
+template <class T>
+inline void copy_row(T* dst, const T* src, int64_t n) {
+  constexpr int L = Vec<T>::L;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 /// The squash of SPEC §2 and its derivative dM/dA (0 where A + eps <= 0, as in the reference).
 template <class T>
 inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
@@ -304,8 +314,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // sweep (the forward saved the statistics entering each chunk), its rows prefetched meanwhile.
   if (!cached) token_rows(0, len, A0);
 
-  // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors, decayed keys and
-  // queries, and their transposes (padding columns cleared, as the stacked products read them).
+  // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors (E = e^gamma, Ed =
+  // e^{gamma_C - gamma}: rows of channels for diagonal decay, one value per row otherwise), decayed
+  // keys and queries, and their transposes (padding columns cleared, as the stacked products read them).
   auto build = [&](int64_t cs, int64_t c, int64_t hv, bool forward_sweep) {
     for (int64_t i = 0; i < Cp; ++i) Bt[i] = i < c ? s.beta(b, t0 + cs + i, hv) : T(0);
     if (diag) {
@@ -327,10 +338,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     } else {
       for (int64_t i = 0; i < c; ++i) Gam[i] = scal ? s.grow(b, t0 + cs + i, hv)[0] + (i ? Gam[i - 1] : T(0)) : T(0);
       const T gC = Gam[c - 1];
-      for (int64_t i = 0; i < c; ++i) {
-        const V e = vsplat(std::exp(Gam[i])), ed = vsplat(std::exp(gC - Gam[i]));
-        for (int64_t ch = 0; ch < Kp; ch += L) vstore(E + i * Kp + ch, e), vstore(Ed + i * Kp + ch, ed);
-      }
+      for (int64_t i = 0; i < c; ++i) E[i] = std::exp(Gam[i]), Ed[i] = std::exp(gC - Gam[i]);  // one per row
       const T ec = std::exp(gC);
       for (int64_t ch = 0; ch < Kp; ++ch) eC[ch] = ec;
     }
@@ -339,12 +347,13 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       const T* k = Kn + trow(cs + i);
       const T* w = KW + trow(cs + i);
       const int64_t o = i * Kp;
+      const V er = diag ? V{} : vsplat(E[i]), edr = diag ? V{} : vsplat(Ed[i]);
       for (int64_t ch = 0; ch < Kp; ch += L) {
-        const V e = vload(E + o + ch), kne = vload(k + ch) * e;
+        const V e = diag ? vload(E + o + ch) : er, kne = vload(k + ch) * e;
         vstore(Kne + o + ch, kne);
         vstore(Kd + o + ch, Bt[i] * kne);
         vstore(Qd + o + ch, vload(q + ch) * e);
-        vstore(KWd + o + ch, vload(w + ch) * vload(Ed + o + ch));
+        vstore(KWd + o + ch, vload(w + ch) * (diag ? vload(Ed + o + ch) : edr));
       }
     }
     // Transposes: KWd^T and KW^T for the forward sweep; [Qd^T | Kd^T] for the reverse one.
@@ -434,7 +443,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   auto load_values = [&](int64_t cs, int64_t c, int64_t hv) {
     for (int64_t i = 0; i < c; ++i) {
       if (cs + c + i < len) prefetch(s.vrow(b, t0 + cs + c + i, hv), Vd * int64_t(sizeof(T)));
-      std::memcpy(Vb + i * ldv, s.vrow(b, t0 + cs + i, hv), size_t(Vd) * sizeof(T));
+      copy_row(Vb + i * ldv, s.vrow(b, t0 + cs + i, hv), Vd);
     }
   };
   auto make_akk = [&](int64_t c, const T* Bm) {
@@ -499,18 +508,15 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t - tbase];
         }
       }
-      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn, dx);
-      std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
-                  size_t(K) * sizeof(T));
+      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn,
+                    mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2]);
     }
-    if (p.dk.data) {
-      norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn, dx);
-      std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
-                  size_t(K) * sizeof(T));
-    }
+    if (p.dk.data)
+      norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn,
+                    mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2]);
   };
 
-  // Chunk ci of value head hv from the training cache: S_in^T, R, R^T (padding cleared as the forward
+  // Chunk ci of value head hv from the training cache: S_in^T and R^T (padding cleared as the forward
   // sweep leaves it), Aq and Bm unpacked from P. Offline, R = Diag(beta) V (Bt of the chunk built).
   auto load_saved = [&](int64_t hv, int64_t ci, int64_t cs, int64_t c) {
     const int64_t ld = p.saved_ld, pld = p.saved_pld;
@@ -519,20 +525,17 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     if (K < Kp)
       for (int64_t e = 0; e < Vd; ++e)
         for (int64_t ch = K; ch < Kp; ++ch) SinT[e * ldk + ch] = 0;
+    // R^T straight from the saved rows (online; the reverse sweep reads R only as R^T here).
     if (online) {
-      const T* rs = blk + K * ld;
-      for (int64_t i = 0; i < c; ++i) {
-        std::memcpy(Rs + i * ldv, rs + i * ld, size_t(Vd) * sizeof(T));
-        for (int64_t e = Vd; e < Vp; ++e) Rs[i * ldv + e] = 0;
-      }
+      transpose(c, Vd, blk + K * ld, ld, RT, ldr);
     } else {
       for (int64_t i = 0; i < c; ++i) {
         const T* v = s.vrow(b, t0 + cs + i, hv);
         for (int64_t e = 0; e < Vd; ++e) Rs[i * ldv + e] = Bt[i] * v[e];
         for (int64_t e = Vd; e < Vp; ++e) Rs[i * ldv + e] = 0;
       }
+      transpose(c, Vd, Rs, ldv, RT, ldr);
     }
-    transpose(c, Vd, Rs, ldv, RT, ldr);
     if (c < Cp)
       for (int64_t e = 0; e < Vd; ++e)
         for (int64_t i = c; i < Cp; ++i) RT[e * ldr + i] = 0;
@@ -593,6 +596,18 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       std::memset(dO + c * ldv, 0, size_t((Cp - c) * ldv) * sizeof(T));
       std::memset(dX + c * ldv, 0, size_t((Cp - c) * ldv) * sizeof(T));
     }
+    // This chunk's dq and dk rows (one page each), written by its reverse token pass after the
+    // products below: prefetched for writing first thing in this chunk (from the chunk before, most
+    // lines were evicted again by then, and the token pass stalled on its stores).
+    if (jh == r - 1) {
+      const int64_t ts = int64_t(sizeof(T));
+      if (p.dq.data)
+        tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + cs) * p.dq.stride[1] + h * p.dq.stride[2],
+                    p.dq.stride[1] * ts, c, K * ts, true);
+      if (p.dk.data)
+        tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + cs) * p.dk.stride[1] + h * p.dk.stride[2],
+                    p.dk.stride[1] * ts, c, K * ts, true);
+    }
     // The strided input rows (one page each) of the (head, chunk) processed next; contiguous data (the
     // per-token arrays, the saved block) is left to the hardware prefetcher (measured faster).
     if (csn >= 0) {
@@ -608,20 +623,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (p.dv.data)
         tr.prefetch(mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + pc) * p.dv.stride[1] + hvn * p.dv.stride[2],
                     p.dv.stride[1] * ts, cn, Vd * ts, true);
-      if (jh == r - 1) {
-        if (p.dq.data)
-          tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + pc) * p.dq.stride[1] + hn * p.dq.stride[2],
-                      p.dq.stride[1] * ts, cn, K * ts, true);
-        if (p.dk.data)
-          tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + pc) * p.dk.stride[1] + hn * p.dk.stride[2],
-                      p.dk.stride[1] * ts, cn, K * ts, true);
-      }
       if (diag && p.dg.data)
         tr.prefetch(mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + pc) * p.dg.stride[1] + hvn * p.dg.stride[2],
                     p.dg.stride[1] * ts, cn, K * ts, true);
     }
     tr.plan(steps);
-    for (int64_t i = 0; i < c; ++i) std::memcpy(dO + i * ldv, do_row(cs + i, hv), size_t(Vd) * sizeof(T));
+    for (int64_t i = 0; i < c; ++i) copy_row(dO + i * ldv, do_row(cs + i, hv), Vd);
     // dR = Aq^T dO + KWd dS_out; dX = (I + Akk)^{-T} dR (online) or dR (offline).
     transpose(c, c, Aq, Cp, AqT, Cp);
     gemm_upper(c, Vp, AqT, Cp, dO, ldv, dX, ldv, false, &tr);
@@ -773,17 +780,18 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       T* dgm = dgam + i * Kp;
       if (online) dbet[i] -= dotv(dKdn + i * Kp, Kne + i * Kp, K);
       const T dd = ddq[i], last = i + 1 < c ? T(1) : T(0), bt = Bt[i];
+      const V er = diag ? V{} : vsplat(E[i]), edr = diag ? V{} : vsplat(Ed[i]);
       // Whole padded rows (padding lanes of every operand are zero or finite; only [0, K) is read
       // later); the first value head of the group initialises the token gradients.
       for (int64_t ch = 0; ch < Kp; ch += L) {
         const int64_t o = i * Kp + ch;
         const V dqd = vload(dQd + o), dkd = online ? vload(dKdn + o) : V{};
         const V dwd = vload(dKWd + o), dwi = vload(dKWi + o), dqi = vload(dQi + o), dki = vload(dKi + o);
-        const V e = vload(E + o), qv = vload(q + ch), kv = vload(k + ch), wv = vload(w + ch);
+        const V e = diag ? vload(E + o) : er, qv = vload(q + ch), kv = vload(k + ch), wv = vload(w + ch);
         const V g0q = jh ? vload(gq + ch) : V{}, g0k = jh ? vload(gk + ch) : V{}, g0w = jh ? vload(gw + ch) : V{};
         vstore(gq + ch, g0q + dqi + dqd * e + dd * wv);
         vstore(gk + ch, g0k + dki - dkd * bt * e);
-        vstore(gw + ch, g0w + dwi + dwd * vload(Ed + o) + dd * qv);
+        vstore(gw + ch, g0w + dwi + dwd * (diag ? vload(Ed + o) : edr) + dd * qv);
         if (decays)
           vstore(dgm + ch, qv * dqi + kv * dki - wv * dwi + dqd * vload(Qd + o) - dkd * vload(Kd + o) -
                                last * dwd * vload(KWd + o));
