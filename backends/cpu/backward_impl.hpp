@@ -36,28 +36,6 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-/// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
-/// Same layout rules as `gemm` (n a multiple of the vector length).
-template <class T>
-void gemm_upper(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                Trickle<T>* tr = nullptr) {
-  constexpr int L = Vec<T>::L;
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
-    const bool two = j0 + 2 * L <= n;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int mr = int(imin(kMR, m - i0));
-      if (tr) tr->step();
-      const T* a = A + i0 * lda + i0;
-      const T* bb = B + i0 * ldb + j0;
-      T* cc = C + i0 * ldc + j0;
-      if (two)
-        gemm_rows<T, 2>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
-      else
-        gemm_rows<T, 1>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
-    }
-  }
-}
-
 /// sum_i a[i] b[i] with vector accumulators (the compiler may not reorder a scalar float sum).
 template <class T>
 inline T dotv(const T* a, const T* b, int64_t n) {
@@ -202,8 +180,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   T *S = nullptr, *dS = nullptr, *dSg = nullptr, *Vb = nullptr, *G = nullptr, *R = nullptr, *Akk = nullptr,
     *Gam = nullptr;
   T *E = nullptr, *Ed = nullptr, *eC = nullptr, *Kne = nullptr, *Qd = nullptr, *Kd = nullptr, *KWd = nullptr;
-  T *QKdT = nullptr, *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
-  T *AqT = nullptr, *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr, *dBT = nullptr;
+  T *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
+  T *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr;
   T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dKWdT = nullptr, *dST = nullptr, *ddq = nullptr,
     *dgam = nullptr, *sumC = nullptr,
     *dbet = nullptr;
@@ -249,8 +227,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     take(dQd, 2 * Cp * Kp);
     dKdn = dQd ? dQd + Cp * Kp : nullptr;
     take(eC, Kp), take(sumC, Kp), take(acc, Kp), take(Bt, Cp), take(dbet, Cp), take(ddq, Cp), take(tmp, Kp + Cp);
-    take(QKdT, K * C2), take(KWdT, K * Cp), take(KWT, K * Cp), take(dBT, C * Cp);
-    take(dKWd, C * Kp), take(dOX, C2 * ldv), take(AqT, C * Cp), take(dAB, C2 * Cp);
+    take(KWdT, K * Cp), take(KWT, K * Cp);
+    take(dKWd, C * Kp), take(dOX, C2 * ldv), take(dAB, C2 * Cp);
     take(dKWdT, cached ? K * ldr : 0);
     if (diag) {
       take(LQK, S2 * Kp), take(Fi, kSub * Kp), take(KWt, C * Kp), take(Fj, C * Kp), take(KWtT, K * Cp);
@@ -356,7 +334,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         vstore(KWd + o + ch, vload(w + ch) * (diag ? vload(Ed + o + ch) : edr));
       }
     }
-    // Transposes: KWd^T and KW^T for the forward sweep; [Qd^T | Kd^T] for the reverse one.
+    // Transposes KWd^T and KW^T for the forward sweep (the reverse one reads Qd and Kd transposed
+    // through gemm_at).
     auto pad = [&](T* m, int64_t ld, int64_t col0) {
       if (c < Cp)
         for (int64_t ch = 0; ch < K; ++ch)
@@ -365,9 +344,6 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     if (forward_sweep) {
       transpose(c, K, KWd, Kp, KWdT, Cp), pad(KWdT, Cp, 0);
       transpose(c, K, KW + trow(cs), Kp, KWT, Cp), pad(KWT, Cp, 0);
-    } else {
-      transpose(c, K, Qd, Kp, QKdT, C2), pad(QKdT, C2, 0);
-      transpose(c, K, Kd, Kp, QKdT + Cp, C2), pad(QKdT, C2, Cp);
     }
   };
 
@@ -522,6 +498,10 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     const int64_t ld = p.saved_ld, pld = p.saved_pld;
     const T* blk = sv + (hv * nch + ci) * p.saved_block;
     transpose(K, Vd, blk, ld, SinT, ldk);
+    // The gate gradient's chunk-total term sum_e S_in[c, e] dS_out[c, e] (dS is this chunk's dS_out until
+    // the end of reverse_chunk), while the saved rows are in cache.
+    if (decays)
+      for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = ch < K ? dotv(blk + ch * ld, dS + ch * ldv, Vd) : T(0);
     if (K < Kp)
       for (int64_t e = 0; e < Vd; ++e)
         for (int64_t ch = K; ch < Kp; ++ch) SinT[e * ldk + ch] = 0;
@@ -630,8 +610,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     tr.plan(steps);
     for (int64_t i = 0; i < c; ++i) copy_row(dO + i * ldv, do_row(cs + i, hv), Vd);
     // dR = Aq^T dO + KWd dS_out; dX = (I + Akk)^{-T} dR (online) or dR (offline).
-    transpose(c, c, Aq, Cp, AqT, Cp);
-    gemm_upper(c, Vp, AqT, Cp, dO, ldv, dX, ldv, false, &tr);
+    gemm_at(c, Vp, c, Aq, Cp, dO, ldv, dX, ldv, false, true, &tr);  // Aq^T: upper-triangular
     gemm(c, Vp, K, KWd, Kp, dS, ldv, dX, ldv, true, Tri::none, &tr);
     if (online) {
       make_akk(c, Bm);
@@ -651,17 +630,33 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     gemm(c, Cp, Vd, dO, ldv, RTc, ldr, dAq, Cp, false, Tri::c_lower, &tr);
     // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
     // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
+    // Masks in vector lanes (column index j against the row i).
+    const V iota = iota_v<T>();
     for (int64_t i = 0; i < c; ++i) {
       ddq[i] = dAq[i * Cp + i];
-      for (int64_t j = i; j < Cp; ++j) dAq[i * Cp + j] = 0;
+      const V iv = vsplat(T(i));
+      for (int64_t j = 0; j < Cp; j += L)
+        vstore(dAq + i * Cp + j, iota + T(j) < iv ? vload(dAq + i * Cp + j) : V{});
     }
     if (online) {
       gemm(c, Cp, Vd, dX, ldv, RTc, ldr, dB, Cp, false, Tri::c_lower, &tr);
       for (int64_t i = 0; i < c; ++i) {
         T* db = dB + i * Cp;
-        for (int64_t j = 0; j < Cp; ++j) db[j] = j < i ? -db[j] : T(0);
-        dbet[i] += dotv(db, Bm + i * Cp, Cp);
-        for (int64_t j = 0; j < Cp; ++j) db[j] *= Bt[i];
+        const T* bm = Bm + i * Cp;
+        const V iv = vsplat(T(i)), bt = vsplat(Bt[i]);
+        V a0{}, a1{};  // dbeta_i += sum_j dAkk_ij Bm_ij, two accumulators
+        for (int64_t j = 0; j < Cp; j += L) {
+          const V x = iota + T(j) < iv ? -vload(db + j) : V{};
+          if ((j / L) % 2)
+            a1 += x * vload(bm + j);
+          else
+            a0 += x * vload(bm + j);
+          vstore(db + j, x * bt);
+        }
+        a0 += a1;
+        T sum = 0;
+        for (int l = 0; l < L; ++l) sum += a0[l];
+        dbet[i] += sum;
       }
     }
     // Intra-chunk backward: dQi = d(Aq)/dQ, dKi = d(Bm)/dK, dKWi = d(Aq, Bm)/dKW (row layout).
@@ -682,12 +677,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         }
       gemm(c, Kp, c, dAq, Cp, KW + trow(cs), Kp, dQi, Kp, false, Tri::a_lower);
       if (online) gemm(c, Kp, c, dB, Cp, KW + trow(cs), Kp, dKi, Kp, false, Tri::a_lower);
-      transpose(c, c, dAq, Cp, AqT, Cp);
-      gemm_upper(c, Kp, AqT, Cp, Qr + trow(cs), Kp, dKWi, Kp, false);
-      if (online) {
-        transpose(c, c, dB, Cp, dBT, Cp);
-        gemm_upper(c, Kp, dBT, Cp, Kn + trow(cs), Kp, dKWi, Kp, true);
-      }
+      gemm_at(c, Kp, c, dAq, Cp, Qr + trow(cs), Kp, dKWi, Kp, false, true);
+      if (online) gemm_at(c, Kp, c, dB, Cp, Kn + trow(cs), Kp, dKWi, Kp, true, true);
     } else {
       for (int64_t i0 = 0; i0 < c; i0 += kSub) {
         const int64_t nb = imin(kSub, c - i0);
@@ -746,7 +737,6 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (online) gemm(c, Kp, Vd, dX, ldv, SinTc, ldk, dKdn, Kp, false);
     }
     // With the cache, as dKWd^T = dS_out R^T (R^T is at hand; K x c to transpose instead of K x V).
-    const T* Sin_rows = cached ? sv + (hv * nch + ci) * p.saved_block : nullptr;  // S_in, rows of saved_ld
     if (cached) {
       gemm(K, Cp, Vd, dS, ldv, RTc, ldr, dKWdT, ldr, false, Tri::none, &tr);
       transpose(K, c, dKWdT, ldr, dKWd, Kp);
@@ -757,10 +747,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     // Gate gradient: dgamma_i = Q ⊙ dQ - KW ⊙ dKW + K ⊙ dK over every e^{+-gamma} factor, plus the
     // chunk-total terms (S_out's decay and KWd's e^{gamma_C}) on the last row.
     if (decays) {
-      for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0, acc[ch] = 0;
-      if (cached) {
-        for (int64_t ch = 0; ch < K; ++ch) sumC[ch] = dotv(Sin_rows + ch * p.saved_ld, dS + ch * ldv, Vd);
-      } else {
+      for (int64_t ch = 0; ch < Kp; ++ch) acc[ch] = 0;
+      if (!cached) {  // (with the cache load_saved computed sumC, from the saved rows while in cache)
+        for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0;
         for (int64_t e = 0; e < Vd; ++e)
           for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] += SinTc[e * ldk + ch] * dST[e * ldk + ch];
       }
@@ -822,13 +811,19 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t i = 0; i < c; ++i)
         mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
             dbet[i];
-    // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands).
+    // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
+    // Qd and Kd are adjacent whole chunks, as dO and dX are).
     if (decays)
       for (int64_t ch = 0; ch < K; ++ch)
         for (int64_t e = 0; e < Vp; ++e) dS[ch * ldv + e] *= eC[ch];
     if (online)
       for (int64_t i = 0; i < c * ldv; ++i) dX[i] = -dX[i];
-    gemm(K, Vp, online ? C2 : Cp, QKdT, C2, dOX, ldv, dS, ldv, true, Tri::none, &tr);
+    if (online && c == Cp && C == Cp && Kd == Qd + Cp * Kp) {
+      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr);
+    } else {
+      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr);
+      if (online) gemm_at(K, Vp, c, Kd, Kp, dX, ldv, dS, ldv, true, false, &tr);
+    }
     steps = tr.steps();
     tr.drain_all();
   };

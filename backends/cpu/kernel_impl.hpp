@@ -404,7 +404,9 @@ class Trickle {
 // ---------------------------------------------------------------------------------------------
 // GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
 
-template <class T, int MR, int NV>
+// AT: A given transposed (k-major, A^T[r][k] at A[k * lda + r]); the same register block, its row
+// operands broadcast from consecutive elements.
+template <class T, int MR, int NV, bool AT = false>
 inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
@@ -415,7 +417,7 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
     for (int r = 0; r < MR; ++r) {
-      const T a = A[r * lda + k];
+      const T a = AT ? A[k * lda + r] : A[r * lda + k];
       for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
     }
   }
@@ -423,12 +425,12 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
     for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * L, c[r][v]);
 }
 
-template <class T, int NV, int MR = kMR>
+template <class T, int NV, int MR = kMR, bool AT = false>
 inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
                       bool acc) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return gemm_block<T, MR, NV>(kd, A, lda, B, ldb, C, ldc, acc);
-    return gemm_rows<T, NV, MR - 1>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc);
+    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
   }
 }
 
@@ -452,6 +454,30 @@ void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B,
         gemm_rows<T, 2>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
       else
         gemm_rows<T, 1>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+    }
+  }
+}
+
+/// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
+/// of A first (the register block broadcasts A^T's rows from consecutive elements). `upper`: A^T is
+/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0 (as `gemm_upper`).
+template <class T>
+void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+             bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
+    const bool two = j0 + 2 * L <= n;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = int(imin(kMR, m - i0));
+      if (tr) tr->step();
+      const int64_t k0 = upper ? i0 : 0;
+      const T* a = A + k0 * lda + i0;
+      const T* bb = B + k0 * ldb + j0;
+      T* cc = C + i0 * ldc + j0;
+      if (two)
+        gemm_rows<T, 2, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
+      else
+        gemm_rows<T, 1, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
     }
   }
 }
@@ -1137,9 +1163,9 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
     const T* KW = Kn;
     if (s.diag_pre) {
       if (blk && vb == 0) std::memcpy(blk + p.saved_aoff, A, size_t(Kp) * sizeof(T));  // A entering the chunk
-      // The statistics of every row first (channel by channel: one FMA per token on the chain), staged
-      // in Stg; then the squash of the whole block, 8 vectors at a time (interleaved chains, across
-      // token rows), and the preconditioned key (or query).
+      // The statistics of every row first (8 vectors of channels at a time: independent FMA chains
+      // over the tokens), staged in Stg; then the squash of the whole block, 8 vectors at a time
+      // (interleaved chains, across token rows), and the preconditioned key (or query).
       T* dst = s.atk ? KWb : Qr;
       const T* src = s.atk ? Kn : Qr;
       T* At = Stg;
@@ -1149,14 +1175,20 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
         const int64_t t = t0 + cs + i;
         ga[i] = std::exp(s.gp(b, t, h)), gb[i] = s.bp(b, t, h);
       }
-      for (int64_t ch = 0; ch < Kp; ch += L) {
-        V x = vload(A + ch);
+      constexpr int NA = 8;  // vectors of channels advanced together (independent chains)
+      for (int64_t ch0 = 0; ch0 < Kp; ch0 += NA * L) {
+        const int nv = int(imin(NA, (Kp - ch0) / L));
+        V x[NA];
+        for (int u = 0; u < nv; ++u) x[u] = vload(A + ch0 + u * L);
         for (int64_t i = 0; i < c; ++i) {
-          const V k = vload(Kn + i * Kp + ch);
-          x = ga[i] * x + gb[i] * k * k;
-          vstore(At + i * Kp + ch, x);
+          const T ai = ga[i], bi = gb[i];
+          for (int u = 0; u < nv; ++u) {
+            const V k = vload(Kn + i * Kp + ch0 + u * L);
+            x[u] = ai * x[u] + bi * k * k;
+            vstore(At + i * Kp + ch0 + u * L, x[u]);
+          }
         }
-        vstore(A + ch, x);
+        for (int u = 0; u < nv; ++u) vstore(A + ch0 + u * L, x[u]);
       }
       const int64_t n = c * Kp;
       int64_t i0 = 0;
