@@ -188,7 +188,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   T *tmp = nullptr, *acc = nullptr;
   // Diagonal-decay sub-blocks.
   T *LQK = nullptr, *Fi = nullptr, *KWt = nullptr, *Fj = nullptr, *KWtT = nullptr, *dLQK = nullptr;
-  T *dABt = nullptr, *dKWt = nullptr, *Pb = nullptr;
+  T *dKWt = nullptr, *Pb = nullptr;
   // Token pass.
   T *A0 = nullptr, *dA = nullptr, *A0g = nullptr, *dAg = nullptr, *dqn = nullptr, *dkn = nullptr, *dx = nullptr,
     *qh = nullptr, *ones = nullptr;
@@ -232,7 +232,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     take(dKWdT, cached ? K * ldr : 0);
     if (diag) {
       take(LQK, S2 * Kp), take(Fi, kSub * Kp), take(KWt, C * Kp), take(Fj, C * Kp), take(KWtT, K * Cp);
-      take(dLQK, S2 * Kp), take(dABt, C * S2), take(dKWt, C * Kp), take(Pb, S2 * Cp);
+      take(dLQK, S2 * Kp), take(dKWt, C * Kp), take(Pb, S2 * Cp);
     }
     take(A0g, nh * Kp), take(dAg, nh * Kp), take(dqn, Kp), take(dkn, Kp), take(dx, Kp), take(qh, Kp), take(ones, Kp);
     return off;
@@ -719,12 +719,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
             dQi[(i0 + i) * Kp + ch] += dLQK[i * Kp + ch] * Fi[i * Kp + ch];
             dKi[(i0 + i) * Kp + ch] += dLQK[(kSub + i) * Kp + ch] * Fi[i * Kp + ch];
           }
-        for (int64_t j = 0; j < jn; ++j)
-          for (int64_t i = 0; i < kSub; ++i) {
-            dABt[j * S2 + i] = i < nb ? dAq[(i0 + i) * Cp + j] : T(0);
-            dABt[j * S2 + kSub + i] = i < nb ? dB[(i0 + i) * Cp + j] : T(0);
-          }
-        gemm(jn, Kp, online ? S2 : kSub, dABt, S2, LQK, Kp, dKWt, Kp, false);
+        gemm_at(jn, Kp, nb, dAq + i0 * Cp, Cp, LQK, Kp, dKWt, Kp, false);
+        if (online) gemm_at(jn, Kp, nb, dB + i0 * Cp, Cp, LQK + kSub * Kp, Kp, dKWt, Kp, true);
         for (int64_t j = 0; j < jn; ++j)
           for (int64_t ch = 0; ch < Kp; ++ch) dKWi[j * Kp + ch] += dKWt[j * Kp + ch] * Fj[j * Kp + ch];
       }
@@ -793,10 +789,24 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
       if (p.dg.data) {
         if (diag) {
-          for (int64_t ch = 0; ch < K; ++ch) acc[ch] = 0;
-          for (int64_t i = c - 1; i >= 0; --i) {
-            T* dg = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs + i) * p.dg.stride[1] + hv * p.dg.stride[2];
-            for (int64_t ch = 0; ch < K; ++ch) dg[ch] = acc[ch] += dgam[i * Kp + ch];
+          // The running sums in registers, 8 vectors of channels at a time (same order per channel).
+          T* dg0 = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs) * p.dg.stride[1] + hv * p.dg.stride[2];
+          const int64_t ts = p.dg.stride[1];
+          int64_t ch0 = 0;
+          while (ch0 + L <= K) {
+            const int nv = int(imin(8, (K - ch0) / L));
+            V run[8];
+            for (int u = 0; u < nv; ++u) run[u] = V{};
+            for (int64_t i = c - 1; i >= 0; --i)
+              for (int u = 0; u < nv; ++u) {
+                run[u] += vload(dgam + i * Kp + ch0 + u * L);
+                vstore(dg0 + i * ts + ch0 + u * L, run[u]);
+              }
+            ch0 += int64_t(nv) * L;
+          }
+          for (int64_t ch = ch0; ch < K; ++ch) {
+            T a = 0;
+            for (int64_t i = c - 1; i >= 0; --i) dg0[i * ts + ch] = a += dgam[i * Kp + ch];
           }
         } else {
           T a = 0;
