@@ -36,28 +36,6 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-/// C (+)= A B for an upper-triangular m x m A (A[i][k] = 0 for k < i): row block i0.. starts at k = i0.
-/// Same layout rules as `gemm` (n a multiple of the vector length).
-template <class T>
-void gemm_upper(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                Trickle<T>* tr = nullptr) {
-  constexpr int L = Vec<T>::L;
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
-    const bool two = j0 + 2 * L <= n;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int mr = int(imin(kMR, m - i0));
-      if (tr) tr->step();
-      const T* a = A + i0 * lda + i0;
-      const T* bb = B + i0 * ldb + j0;
-      T* cc = C + i0 * ldc + j0;
-      if (two)
-        gemm_rows<T, 2>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
-      else
-        gemm_rows<T, 1>(mr, m - i0, a, lda, bb, ldb, cc, ldc, acc);
-    }
-  }
-}
-
 /// sum_i a[i] b[i] with vector accumulators (the compiler may not reorder a scalar float sum).
 template <class T>
 inline T dotv(const T* a, const T* b, int64_t n) {
@@ -75,6 +53,16 @@ inline T dotv(const T* a, const T* b, int64_t n) {
   for (int l = 0; l < L; ++l) sum += acc0[l];
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+/// dst[i] = src[i] for i < n: an inline vector loop for rows of a few hundred bytes (no library call
+/// per row).
+template <class T>
+inline void copy_row(T* dst, const T* src, int64_t n) {
+  constexpr int L = Vec<T>::L;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 /// The squash of SPEC §2 and its derivative dM/dA (0 where A + eps <= 0, as in the reference).
@@ -170,6 +158,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
                                    : nullptr;
   const bool cached = sv != nullptr;
   const int64_t nst = cached ? 1 : nch;  // chunks held by the per-chunk stores
+  // With the cache and one value head per key head, the per-token arrays hold one chunk's rows (the
+  // token pass runs chunk by chunk, each chunk's rows consumed before the next): token t at row
+  // t - tbase, tbase the chunk's first token (the same lines reused, where all of a 4096-token
+  // sequence's rows took fresh ones: about 1 MB per head for PGDN).
+  const bool local = cached && r == 1;
+  const int64_t rows = local ? C : len;
+  int64_t tbase = 0;
+  auto trow = [&](int64_t t) { return (t - tbase) * Kp; };
 
   // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
   // Per token [len, Kp]: normalised q, k, read queries, write keys, squash M, statistics A_t, dM/dA, the
@@ -184,15 +180,15 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   T *S = nullptr, *dS = nullptr, *dSg = nullptr, *Vb = nullptr, *G = nullptr, *R = nullptr, *Akk = nullptr,
     *Gam = nullptr;
   T *E = nullptr, *Ed = nullptr, *eC = nullptr, *Kne = nullptr, *Qd = nullptr, *Kd = nullptr, *KWd = nullptr;
-  T *QKdT = nullptr, *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
-  T *AqT = nullptr, *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr, *dBT = nullptr;
+  T *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
+  T *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr;
   T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dKWdT = nullptr, *dST = nullptr, *ddq = nullptr,
     *dgam = nullptr, *sumC = nullptr,
     *dbet = nullptr;
   T *tmp = nullptr, *acc = nullptr;
   // Diagonal-decay sub-blocks.
   T *LQK = nullptr, *Fi = nullptr, *KWt = nullptr, *Fj = nullptr, *KWtT = nullptr, *dLQK = nullptr;
-  T *dABt = nullptr, *dKWt = nullptr, *Pb = nullptr;
+  T *dKWt = nullptr, *Pb = nullptr;
   // Token pass.
   T *A0 = nullptr, *dA = nullptr, *A0g = nullptr, *dAg = nullptr, *dqn = nullptr, *dkn = nullptr, *dx = nullptr,
     *qh = nullptr, *ones = nullptr;
@@ -204,11 +200,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       ptr = base ? base + off : nullptr;
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
-    const int64_t nt = len * Kp;
+    const int64_t nt = rows * Kp;
     const int64_t ng = (r == 1 ? C : len) * Kp;
-    take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, len), take(rk, len);
+    take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, rows), take(rk, rows);
     take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
-    take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt : 0), take(Dt, s.diag_pre ? nt : 0);
+    take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt + Kp : 0), take(Dt, s.diag_pre ? nt : 0);
+    if (At) At += Kp;  // row -1: the statistics entering the first row held
     take(SinT, nst * Vd * ldk), take(RT, nst * Vd * ldr), take(Rs, nst * C * ldv), take(Bms, nst * C * Cp);
     take(Aqs, nst * C * Cp);
     return off;
@@ -230,12 +227,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     take(dQd, 2 * Cp * Kp);
     dKdn = dQd ? dQd + Cp * Kp : nullptr;
     take(eC, Kp), take(sumC, Kp), take(acc, Kp), take(Bt, Cp), take(dbet, Cp), take(ddq, Cp), take(tmp, Kp + Cp);
-    take(QKdT, K * C2), take(KWdT, K * Cp), take(KWT, K * Cp), take(dBT, C * Cp);
-    take(dKWd, C * Kp), take(dOX, C2 * ldv), take(AqT, C * Cp), take(dAB, C2 * Cp);
+    take(KWdT, K * Cp), take(KWT, K * Cp);
+    take(dKWd, C * Kp), take(dOX, C2 * ldv), take(dAB, C2 * Cp);
     take(dKWdT, cached ? K * ldr : 0);
     if (diag) {
       take(LQK, S2 * Kp), take(Fi, kSub * Kp), take(KWt, C * Kp), take(Fj, C * Kp), take(KWtT, K * Cp);
-      take(dLQK, S2 * Kp), take(dABt, C * S2), take(dKWt, C * Kp), take(Pb, S2 * Cp);
+      take(dLQK, S2 * Kp), take(dKWt, C * Kp), take(Pb, S2 * Cp);
     }
     take(A0g, nh * Kp), take(dAg, nh * Kp), take(dqn, Kp), take(dkn, Kp), take(dx, Kp), take(qh, Kp), take(ones, Kp);
     return off;
@@ -266,25 +263,25 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // Tokens [ta, tb), the statistics entering them being `a_in` (A0 for ta = 0); with ta > 0 also writes
   // a_in to row ta - 1 of At, which the reverse token pass reads.
   auto token_rows = [&](int64_t ta, int64_t tb, const T* a_in) {
-    if (s.diag_pre && ta > 0 && a_in != At + (ta - 1) * Kp)
-      std::memcpy(At + (ta - 1) * Kp, a_in, size_t(Kp) * sizeof(T));
+    if (s.diag_pre && ta > 0 && a_in != At + trow(ta - 1))
+      std::memcpy(At + trow(ta - 1), a_in, size_t(Kp) * sizeof(T));
     for (int64_t t = ta; t < tb; ++t) {
       const int64_t ti = t0 + t;
       if (t + 8 < tb) {
         prefetch(s.qrow(b, ti + 8, h), K * int64_t(sizeof(T)));
         prefetch(s.krow(b, ti + 8, h), K * int64_t(sizeof(T)));
       }
-      load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + t * Kp, rq + t);
-      load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + t * Kp, rk + t);
-      for (int64_t c = K; c < Kp; ++c) Qn[t * Kp + c] = Kn[t * Kp + c] = 0;
+      load_row(s.qrow(b, ti, h), K, p.l2norm, s.scale, Qn + trow(t), rq + (t - tbase));
+      load_row(s.krow(b, ti, h), K, p.l2norm, T(1), Kn + trow(t), rk + (t - tbase));
+      for (int64_t c = K; c < Kp; ++c) Qn[trow(t) + c] = Kn[trow(t) + c] = 0;
       if (s.diag_pre) {
         const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-        const T* prev = t > ta ? At + (t - 1) * Kp : a_in;
-        const T* kn = Kn + t * Kp;
-        for (int64_t c = 0; c < Kp; ++c) At[t * Kp + c] = a * prev[c] + bb * kn[c] * kn[c];
+        const T* prev = t > ta ? At + trow(t - 1) : a_in;
+        const T* kn = Kn + trow(t);
+        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = a * prev[c] + bb * kn[c] * kn[c];
       }
     }
-    const int64_t o = ta * Kp, n = (tb - ta) * Kp;
+    const int64_t o = trow(ta), n = (tb - ta) * Kp;
     if (s.diag_pre) squash_slope(At + o, Mt + o, Dt + o, n, ctr, s.log_x, s.eps);
     if (s.atq)
       for (int64_t i = o; i < o + n; ++i) Qr[i] = Qn[i] * Mt[i];
@@ -295,8 +292,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // sweep (the forward saved the statistics entering each chunk), its rows prefetched meanwhile.
   if (!cached) token_rows(0, len, A0);
 
-  // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors, decayed keys and
-  // queries, and their transposes (padding columns cleared, as the stacked products read them).
+  // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors (E = e^gamma, Ed =
+  // e^{gamma_C - gamma}: rows of channels for diagonal decay, one value per row otherwise), decayed
+  // keys and queries, and their transposes (padding columns cleared, as the stacked products read them).
   auto build = [&](int64_t cs, int64_t c, int64_t hv, bool forward_sweep) {
     for (int64_t i = 0; i < Cp; ++i) Bt[i] = i < c ? s.beta(b, t0 + cs + i, hv) : T(0);
     if (diag) {
@@ -318,27 +316,26 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     } else {
       for (int64_t i = 0; i < c; ++i) Gam[i] = scal ? s.grow(b, t0 + cs + i, hv)[0] + (i ? Gam[i - 1] : T(0)) : T(0);
       const T gC = Gam[c - 1];
-      for (int64_t i = 0; i < c; ++i) {
-        const V e = vsplat(std::exp(Gam[i])), ed = vsplat(std::exp(gC - Gam[i]));
-        for (int64_t ch = 0; ch < Kp; ch += L) vstore(E + i * Kp + ch, e), vstore(Ed + i * Kp + ch, ed);
-      }
+      for (int64_t i = 0; i < c; ++i) E[i] = std::exp(Gam[i]), Ed[i] = std::exp(gC - Gam[i]);  // one per row
       const T ec = std::exp(gC);
       for (int64_t ch = 0; ch < Kp; ++ch) eC[ch] = ec;
     }
     for (int64_t i = 0; i < c; ++i) {
-      const T* q = Qr + (cs + i) * Kp;
-      const T* k = Kn + (cs + i) * Kp;
-      const T* w = KW + (cs + i) * Kp;
+      const T* q = Qr + trow(cs + i);
+      const T* k = Kn + trow(cs + i);
+      const T* w = KW + trow(cs + i);
       const int64_t o = i * Kp;
+      const V er = diag ? V{} : vsplat(E[i]), edr = diag ? V{} : vsplat(Ed[i]);
       for (int64_t ch = 0; ch < Kp; ch += L) {
-        const V e = vload(E + o + ch), kne = vload(k + ch) * e;
+        const V e = diag ? vload(E + o + ch) : er, kne = vload(k + ch) * e;
         vstore(Kne + o + ch, kne);
         vstore(Kd + o + ch, Bt[i] * kne);
         vstore(Qd + o + ch, vload(q + ch) * e);
-        vstore(KWd + o + ch, vload(w + ch) * vload(Ed + o + ch));
+        vstore(KWd + o + ch, vload(w + ch) * (diag ? vload(Ed + o + ch) : edr));
       }
     }
-    // Transposes: KWd^T and KW^T for the forward sweep; [Qd^T | Kd^T] for the reverse one.
+    // Transposes KWd^T and KW^T for the forward sweep (the reverse one reads Qd and Kd transposed
+    // through gemm_at).
     auto pad = [&](T* m, int64_t ld, int64_t col0) {
       if (c < Cp)
         for (int64_t ch = 0; ch < K; ++ch)
@@ -346,10 +343,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     };
     if (forward_sweep) {
       transpose(c, K, KWd, Kp, KWdT, Cp), pad(KWdT, Cp, 0);
-      transpose(c, K, KW + cs * Kp, Kp, KWT, Cp), pad(KWT, Cp, 0);
-    } else {
-      transpose(c, K, Qd, Kp, QKdT, C2), pad(QKdT, C2, 0);
-      transpose(c, K, Kd, Kp, QKdT + Cp, C2), pad(QKdT, C2, Cp);
+      transpose(c, K, KW + trow(cs), Kp, KWT, Cp), pad(KWT, Cp, 0);
     }
   };
 
@@ -365,15 +359,15 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = Gam[(i0 + i) * Kp + ch] - g0[ch];
       exp_inplace(f, Kp);
       for (int64_t ch = 0; ch < Kp; ++ch) {
-        LQK[i * Kp + ch] = Qr[(cs + i0 + i) * Kp + ch] * f[ch];
-        LQK[(kSub + i) * Kp + ch] = Kn[(cs + i0 + i) * Kp + ch] * f[ch];
+        LQK[i * Kp + ch] = Qr[trow(cs + i0 + i) + ch] * f[ch];
+        LQK[(kSub + i) * Kp + ch] = Kn[trow(cs + i0 + i) + ch] * f[ch];
       }
     }
     for (int64_t j = 0; j < jn; ++j) {
       T* f = Fj + j * Kp;
       for (int64_t ch = 0; ch < Kp; ++ch) f[ch] = g0[ch] - Gam[j * Kp + ch];
       exp_inplace(f, Kp);
-      for (int64_t ch = 0; ch < Kp; ++ch) KWt[j * Kp + ch] = KW[(cs + j) * Kp + ch] * f[ch];
+      for (int64_t ch = 0; ch < Kp; ++ch) KWt[j * Kp + ch] = KW[trow(cs + j) + ch] * f[ch];
     }
   };
 
@@ -381,7 +375,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // diagonal) (SPEC §4).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
     if (!diag) {
-      intra_scalar(c, Cp, K, Kn + cs * Kp, Qr + cs * Kp, Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
+      intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
                    Aq, tmp);
       return;
     }
@@ -405,11 +399,11 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (fact) continue;
       for (int64_t i = i0; i < i0 + nb; ++i) {
         const T* gi = Gam + i * Kp;
-        const T* q = Qr + (cs + i) * Kp;
-        const T* k = Kn + (cs + i) * Kp;
+        const T* q = Qr + trow(cs + i);
+        const T* k = Kn + trow(cs + i);
         for (int64_t j = i0; j <= i; ++j) {
           const T* gj = Gam + j * Kp;
-          const T* w = KW + (cs + j) * Kp;
+          const T* w = KW + trow(cs + j);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
           exp_inplace(tmp, Kp);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
@@ -425,7 +419,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   auto load_values = [&](int64_t cs, int64_t c, int64_t hv) {
     for (int64_t i = 0; i < c; ++i) {
       if (cs + c + i < len) prefetch(s.vrow(b, t0 + cs + c + i, hv), Vd * int64_t(sizeof(T)));
-      std::memcpy(Vb + i * ldv, s.vrow(b, t0 + cs + i, hv), size_t(Vd) * sizeof(T));
+      copy_row(Vb + i * ldv, s.vrow(b, t0 + cs + i, hv), Vd);
     }
   };
   auto make_akk = [&](int64_t c, const T* Bm) {
@@ -443,9 +437,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
   auto token_grad = [&](int64_t t) {
     const int64_t ti = t0 + t;
-    const T* qn = Qn + t * Kp;
-    const T* kn = Kn + t * Kp;
-    const T* m = Mt + t * Kp;
+    const T* qn = Qn + trow(t);
+    const T* kn = Kn + trow(t);
+    const T* m = Mt + trow(t);
     const T* gq = dQr + grad_row(t);
     const T* gk = dKn + grad_row(t);
     const T* gw = dKW + grad_row(t);
@@ -456,9 +450,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
     if (s.diag_pre) {
       const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
-      const T* cur = At + t * Kp;
-      const T* prev = t ? At + (t - 1) * Kp : A0;
-      const T* slope = Dt + t * Kp;
+      const T* cur = At + trow(t);
+      const T* prev = t ? At + trow(t - 1) : A0;
+      const T* slope = Dt + trow(t);
       // dr = dM/dr (through M's slope), dAc = dL/dA_t; the gate sums are dots of these rows.
       T* dr = dx;
       T* dAc = qh;
@@ -487,43 +481,41 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t c = 0; c < K; ++c) qh[c] = qn[c] * inv;
         } else {
           const T* x = s.qrow(b, ti, h);
-          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t];
+          for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t - tbase];
         }
       }
-      norm_backward(qh, rq[t], K, p.l2norm, s.scale, dqn, dx);
-      std::memcpy(mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2], dx,
-                  size_t(K) * sizeof(T));
+      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn,
+                    mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2]);
     }
-    if (p.dk.data) {
-      norm_backward(kn, rk[t], K, p.l2norm, T(1), dkn, dx);
-      std::memcpy(mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2], dx,
-                  size_t(K) * sizeof(T));
-    }
+    if (p.dk.data)
+      norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn,
+                    mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2]);
   };
 
-  // Chunk ci of value head hv from the training cache: S_in^T, R, R^T (padding cleared as the forward
+  // Chunk ci of value head hv from the training cache: S_in^T and R^T (padding cleared as the forward
   // sweep leaves it), Aq and Bm unpacked from P. Offline, R = Diag(beta) V (Bt of the chunk built).
   auto load_saved = [&](int64_t hv, int64_t ci, int64_t cs, int64_t c) {
     const int64_t ld = p.saved_ld, pld = p.saved_pld;
     const T* blk = sv + (hv * nch + ci) * p.saved_block;
     transpose(K, Vd, blk, ld, SinT, ldk);
+    // The gate gradient's chunk-total term sum_e S_in[c, e] dS_out[c, e] (dS is this chunk's dS_out until
+    // the end of reverse_chunk), while the saved rows are in cache.
+    if (decays)
+      for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = ch < K ? dotv(blk + ch * ld, dS + ch * ldv, Vd) : T(0);
     if (K < Kp)
       for (int64_t e = 0; e < Vd; ++e)
         for (int64_t ch = K; ch < Kp; ++ch) SinT[e * ldk + ch] = 0;
+    // R^T straight from the saved rows (online; the reverse sweep reads R only as R^T here).
     if (online) {
-      const T* rs = blk + K * ld;
-      for (int64_t i = 0; i < c; ++i) {
-        std::memcpy(Rs + i * ldv, rs + i * ld, size_t(Vd) * sizeof(T));
-        for (int64_t e = Vd; e < Vp; ++e) Rs[i * ldv + e] = 0;
-      }
+      transpose(c, Vd, blk + K * ld, ld, RT, ldr);
     } else {
       for (int64_t i = 0; i < c; ++i) {
         const T* v = s.vrow(b, t0 + cs + i, hv);
         for (int64_t e = 0; e < Vd; ++e) Rs[i * ldv + e] = Bt[i] * v[e];
         for (int64_t e = Vd; e < Vp; ++e) Rs[i * ldv + e] = 0;
       }
+      transpose(c, Vd, Rs, ldv, RT, ldr);
     }
-    transpose(c, Vd, Rs, ldv, RT, ldr);
     if (c < Cp)
       for (int64_t e = 0; e < Vd; ++e)
         for (int64_t i = c; i < Cp; ++i) RT[e * ldr + i] = 0;
@@ -575,6 +567,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     const T* SinTc = SinT + cj * Vd * ldk;
     const T* RTc = RT + cj * Vd * ldr;
     const T* Rc = Rs + cj * C * ldv;
+    if (local) tbase = cs;
     if (cached && jh == 0)
       token_rows(cs, cs + c, ci == 0 ? A0 : sv + (h * r * nch + ci) * p.saved_block + p.saved_aoff);
     build(cs, c, hv, false);
@@ -582,6 +575,18 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     if (c < Cp) {  // rows past the chunk enter the stacked products as zeros (padding columns stay 0)
       std::memset(dO + c * ldv, 0, size_t((Cp - c) * ldv) * sizeof(T));
       std::memset(dX + c * ldv, 0, size_t((Cp - c) * ldv) * sizeof(T));
+    }
+    // This chunk's dq and dk rows (one page each), written by its reverse token pass after the
+    // products below: prefetched for writing first thing in this chunk (from the chunk before, most
+    // lines were evicted again by then, and the token pass stalled on its stores).
+    if (jh == r - 1) {
+      const int64_t ts = int64_t(sizeof(T));
+      if (p.dq.data)
+        tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + cs) * p.dq.stride[1] + h * p.dq.stride[2],
+                    p.dq.stride[1] * ts, c, K * ts, true);
+      if (p.dk.data)
+        tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + cs) * p.dk.stride[1] + h * p.dk.stride[2],
+                    p.dk.stride[1] * ts, c, K * ts, true);
     }
     // The strided input rows (one page each) of the (head, chunk) processed next; contiguous data (the
     // per-token arrays, the saved block) is left to the hardware prefetcher (measured faster).
@@ -598,23 +603,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (p.dv.data)
         tr.prefetch(mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + pc) * p.dv.stride[1] + hvn * p.dv.stride[2],
                     p.dv.stride[1] * ts, cn, Vd * ts, true);
-      if (jh == r - 1) {
-        if (p.dq.data)
-          tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + pc) * p.dq.stride[1] + hn * p.dq.stride[2],
-                      p.dq.stride[1] * ts, cn, K * ts, true);
-        if (p.dk.data)
-          tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + pc) * p.dk.stride[1] + hn * p.dk.stride[2],
-                      p.dk.stride[1] * ts, cn, K * ts, true);
-      }
       if (diag && p.dg.data)
         tr.prefetch(mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + pc) * p.dg.stride[1] + hvn * p.dg.stride[2],
                     p.dg.stride[1] * ts, cn, K * ts, true);
     }
     tr.plan(steps);
-    for (int64_t i = 0; i < c; ++i) std::memcpy(dO + i * ldv, do_row(cs + i, hv), size_t(Vd) * sizeof(T));
+    for (int64_t i = 0; i < c; ++i) copy_row(dO + i * ldv, do_row(cs + i, hv), Vd);
     // dR = Aq^T dO + KWd dS_out; dX = (I + Akk)^{-T} dR (online) or dR (offline).
-    transpose(c, c, Aq, Cp, AqT, Cp);
-    gemm_upper(c, Vp, AqT, Cp, dO, ldv, dX, ldv, false, &tr);
+    gemm_at(c, Vp, c, Aq, Cp, dO, ldv, dX, ldv, false, true, &tr);  // Aq^T: upper-triangular
     gemm(c, Vp, K, KWd, Kp, dS, ldv, dX, ldv, true, Tri::none, &tr);
     if (online) {
       make_akk(c, Bm);
@@ -634,17 +630,33 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     gemm(c, Cp, Vd, dO, ldv, RTc, ldr, dAq, Cp, false, Tri::c_lower, &tr);
     // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
     // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
+    // Masks in vector lanes (column index j against the row i).
+    const V iota = iota_v<T>();
     for (int64_t i = 0; i < c; ++i) {
       ddq[i] = dAq[i * Cp + i];
-      for (int64_t j = i; j < Cp; ++j) dAq[i * Cp + j] = 0;
+      const V iv = vsplat(T(i));
+      for (int64_t j = 0; j < Cp; j += L)
+        vstore(dAq + i * Cp + j, iota + T(j) < iv ? vload(dAq + i * Cp + j) : V{});
     }
     if (online) {
       gemm(c, Cp, Vd, dX, ldv, RTc, ldr, dB, Cp, false, Tri::c_lower, &tr);
       for (int64_t i = 0; i < c; ++i) {
         T* db = dB + i * Cp;
-        for (int64_t j = 0; j < Cp; ++j) db[j] = j < i ? -db[j] : T(0);
-        dbet[i] += dotv(db, Bm + i * Cp, Cp);
-        for (int64_t j = 0; j < Cp; ++j) db[j] *= Bt[i];
+        const T* bm = Bm + i * Cp;
+        const V iv = vsplat(T(i)), bt = vsplat(Bt[i]);
+        V a0{}, a1{};  // dbeta_i += sum_j dAkk_ij Bm_ij, two accumulators
+        for (int64_t j = 0; j < Cp; j += L) {
+          const V x = iota + T(j) < iv ? -vload(db + j) : V{};
+          if ((j / L) % 2)
+            a1 += x * vload(bm + j);
+          else
+            a0 += x * vload(bm + j);
+          vstore(db + j, x * bt);
+        }
+        a0 += a1;
+        T sum = 0;
+        for (int l = 0; l < L; ++l) sum += a0[l];
+        dbet[i] += sum;
       }
     }
     // Intra-chunk backward: dQi = d(Aq)/dQ, dKi = d(Bm)/dK, dKWi = d(Aq, Bm)/dKW (row layout).
@@ -663,14 +675,10 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
             vstore(dB + i * Cp + j, vload(dB + i * Cp + j) * vload(tmp + j));
           }
         }
-      gemm(c, Kp, c, dAq, Cp, KW + cs * Kp, Kp, dQi, Kp, false, Tri::a_lower);
-      if (online) gemm(c, Kp, c, dB, Cp, KW + cs * Kp, Kp, dKi, Kp, false, Tri::a_lower);
-      transpose(c, c, dAq, Cp, AqT, Cp);
-      gemm_upper(c, Kp, AqT, Cp, Qr + cs * Kp, Kp, dKWi, Kp, false);
-      if (online) {
-        transpose(c, c, dB, Cp, dBT, Cp);
-        gemm_upper(c, Kp, dBT, Cp, Kn + cs * Kp, Kp, dKWi, Kp, true);
-      }
+      gemm(c, Kp, c, dAq, Cp, KW + trow(cs), Kp, dQi, Kp, false, Tri::a_lower);
+      if (online) gemm(c, Kp, c, dB, Cp, KW + trow(cs), Kp, dKi, Kp, false, Tri::a_lower);
+      gemm_at(c, Kp, c, dAq, Cp, Qr + trow(cs), Kp, dKWi, Kp, false, true);
+      if (online) gemm_at(c, Kp, c, dB, Cp, Kn + trow(cs), Kp, dKWi, Kp, true, true);
     } else {
       for (int64_t i0 = 0; i0 < c; i0 += kSub) {
         const int64_t nb = imin(kSub, c - i0);
@@ -680,12 +688,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         const int64_t jn = fact ? i0 + nb : i0;
         for (int64_t i = i0; !fact && i < i0 + nb; ++i) {
           const T* gi = Gam + i * Kp;
-          const T* q = Qr + (cs + i) * Kp;
-          const T* k = Kn + (cs + i) * Kp;
+          const T* q = Qr + trow(cs + i);
+          const T* k = Kn + trow(cs + i);
           for (int64_t j = i0; j < i; ++j) {
             const T a = dAq[i * Cp + j], bq = dB[i * Cp + j];
             const T* gj = Gam + j * Kp;
-            const T* w = KW + (cs + j) * Kp;
+            const T* w = KW + trow(cs + j);
             for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
             exp_inplace(tmp, Kp);
             T* dq = dQi + i * Kp;
@@ -711,12 +719,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
             dQi[(i0 + i) * Kp + ch] += dLQK[i * Kp + ch] * Fi[i * Kp + ch];
             dKi[(i0 + i) * Kp + ch] += dLQK[(kSub + i) * Kp + ch] * Fi[i * Kp + ch];
           }
-        for (int64_t j = 0; j < jn; ++j)
-          for (int64_t i = 0; i < kSub; ++i) {
-            dABt[j * S2 + i] = i < nb ? dAq[(i0 + i) * Cp + j] : T(0);
-            dABt[j * S2 + kSub + i] = i < nb ? dB[(i0 + i) * Cp + j] : T(0);
-          }
-        gemm(jn, Kp, online ? S2 : kSub, dABt, S2, LQK, Kp, dKWt, Kp, false);
+        gemm_at(jn, Kp, nb, dAq + i0 * Cp, Cp, LQK, Kp, dKWt, Kp, false);
+        if (online) gemm_at(jn, Kp, nb, dB + i0 * Cp, Cp, LQK + kSub * Kp, Kp, dKWt, Kp, true);
         for (int64_t j = 0; j < jn; ++j)
           for (int64_t ch = 0; ch < Kp; ++ch) dKWi[j * Kp + ch] += dKWt[j * Kp + ch] * Fj[j * Kp + ch];
       }
@@ -729,7 +733,6 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (online) gemm(c, Kp, Vd, dX, ldv, SinTc, ldk, dKdn, Kp, false);
     }
     // With the cache, as dKWd^T = dS_out R^T (R^T is at hand; K x c to transpose instead of K x V).
-    const T* Sin_rows = cached ? sv + (hv * nch + ci) * p.saved_block : nullptr;  // S_in, rows of saved_ld
     if (cached) {
       gemm(K, Cp, Vd, dS, ldv, RTc, ldr, dKWdT, ldr, false, Tri::none, &tr);
       transpose(K, c, dKWdT, ldr, dKWd, Kp);
@@ -740,10 +743,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     // Gate gradient: dgamma_i = Q ⊙ dQ - KW ⊙ dKW + K ⊙ dK over every e^{+-gamma} factor, plus the
     // chunk-total terms (S_out's decay and KWd's e^{gamma_C}) on the last row.
     if (decays) {
-      for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0, acc[ch] = 0;
-      if (cached) {
-        for (int64_t ch = 0; ch < K; ++ch) sumC[ch] = dotv(Sin_rows + ch * p.saved_ld, dS + ch * ldv, Vd);
-      } else {
+      for (int64_t ch = 0; ch < Kp; ++ch) acc[ch] = 0;
+      if (!cached) {  // (with the cache load_saved computed sumC, from the saved rows while in cache)
+        for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] = 0;
         for (int64_t e = 0; e < Vd; ++e)
           for (int64_t ch = 0; ch < Kp; ++ch) sumC[ch] += SinTc[e * ldk + ch] * dST[e * ldk + ch];
       }
@@ -754,26 +756,27 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
     for (int64_t i = 0; i < c; ++i) {
       const int64_t t = cs + i;
-      const T* q = Qr + t * Kp;
-      const T* k = Kn + t * Kp;
-      const T* w = KW + t * Kp;
+      const T* q = Qr + trow(t);
+      const T* k = Kn + trow(t);
+      const T* w = KW + trow(t);
       T* gq = dQr + grad_row(t);
       T* gk = dKn + grad_row(t);
       T* gw = dKW + grad_row(t);
       T* dgm = dgam + i * Kp;
       if (online) dbet[i] -= dotv(dKdn + i * Kp, Kne + i * Kp, K);
       const T dd = ddq[i], last = i + 1 < c ? T(1) : T(0), bt = Bt[i];
+      const V er = diag ? V{} : vsplat(E[i]), edr = diag ? V{} : vsplat(Ed[i]);
       // Whole padded rows (padding lanes of every operand are zero or finite; only [0, K) is read
       // later); the first value head of the group initialises the token gradients.
       for (int64_t ch = 0; ch < Kp; ch += L) {
         const int64_t o = i * Kp + ch;
         const V dqd = vload(dQd + o), dkd = online ? vload(dKdn + o) : V{};
         const V dwd = vload(dKWd + o), dwi = vload(dKWi + o), dqi = vload(dQi + o), dki = vload(dKi + o);
-        const V e = vload(E + o), qv = vload(q + ch), kv = vload(k + ch), wv = vload(w + ch);
+        const V e = diag ? vload(E + o) : er, qv = vload(q + ch), kv = vload(k + ch), wv = vload(w + ch);
         const V g0q = jh ? vload(gq + ch) : V{}, g0k = jh ? vload(gk + ch) : V{}, g0w = jh ? vload(gw + ch) : V{};
         vstore(gq + ch, g0q + dqi + dqd * e + dd * wv);
         vstore(gk + ch, g0k + dki - dkd * bt * e);
-        vstore(gw + ch, g0w + dwi + dwd * vload(Ed + o) + dd * qv);
+        vstore(gw + ch, g0w + dwi + dwd * (diag ? vload(Ed + o) : edr) + dd * qv);
         if (decays)
           vstore(dgm + ch, qv * dqi + kv * dki - wv * dwi + dqd * vload(Qd + o) - dkd * vload(Kd + o) -
                                last * dwd * vload(KWd + o));
@@ -786,10 +789,24 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
       if (p.dg.data) {
         if (diag) {
-          for (int64_t ch = 0; ch < K; ++ch) acc[ch] = 0;
-          for (int64_t i = c - 1; i >= 0; --i) {
-            T* dg = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs + i) * p.dg.stride[1] + hv * p.dg.stride[2];
-            for (int64_t ch = 0; ch < K; ++ch) dg[ch] = acc[ch] += dgam[i * Kp + ch];
+          // The running sums in registers, 8 vectors of channels at a time (same order per channel).
+          T* dg0 = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs) * p.dg.stride[1] + hv * p.dg.stride[2];
+          const int64_t ts = p.dg.stride[1];
+          int64_t ch0 = 0;
+          while (ch0 + L <= K) {
+            const int nv = int(imin(8, (K - ch0) / L));
+            V run[8];
+            for (int u = 0; u < nv; ++u) run[u] = V{};
+            for (int64_t i = c - 1; i >= 0; --i)
+              for (int u = 0; u < nv; ++u) {
+                run[u] += vload(dgam + i * Kp + ch0 + u * L);
+                vstore(dg0 + i * ts + ch0 + u * L, run[u]);
+              }
+            ch0 += int64_t(nv) * L;
+          }
+          for (int64_t ch = ch0; ch < K; ++ch) {
+            T a = 0;
+            for (int64_t i = c - 1; i >= 0; --i) dg0[i * ts + ch] = a += dgam[i * Kp + ch];
           }
         } else {
           T a = 0;
@@ -804,13 +821,19 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t i = 0; i < c; ++i)
         mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
             dbet[i];
-    // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands).
+    // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
+    // Qd and Kd are adjacent whole chunks, as dO and dX are).
     if (decays)
       for (int64_t ch = 0; ch < K; ++ch)
         for (int64_t e = 0; e < Vp; ++e) dS[ch * ldv + e] *= eC[ch];
     if (online)
       for (int64_t i = 0; i < c * ldv; ++i) dX[i] = -dX[i];
-    gemm(K, Vp, online ? C2 : Cp, QKdT, C2, dOX, ldv, dS, ldv, true, Tri::none, &tr);
+    if (online && c == Cp && C == Cp && Kd == Qd + Cp * Kp) {
+      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr);
+    } else {
+      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr);
+      if (online) gemm_at(K, Vp, c, Kd, Kp, dX, ldv, dS, ldv, true, false, &tr);
+    }
     steps = tr.steps();
     tr.drain_all();
   };

@@ -404,7 +404,9 @@ class Trickle {
 // ---------------------------------------------------------------------------------------------
 // GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
 
-template <class T, int MR, int NV>
+// AT: A given transposed (k-major, A^T[r][k] at A[k * lda + r]); the same register block, its row
+// operands broadcast from consecutive elements.
+template <class T, int MR, int NV, bool AT = false>
 inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
@@ -415,7 +417,7 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
     for (int r = 0; r < MR; ++r) {
-      const T a = A[r * lda + k];
+      const T a = AT ? A[k * lda + r] : A[r * lda + k];
       for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
     }
   }
@@ -423,12 +425,12 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
     for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * L, c[r][v]);
 }
 
-template <class T, int NV, int MR = kMR>
+template <class T, int NV, int MR = kMR, bool AT = false>
 inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
                       bool acc) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return gemm_block<T, MR, NV>(kd, A, lda, B, ldb, C, ldc, acc);
-    return gemm_rows<T, NV, MR - 1>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc);
+    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
   }
 }
 
@@ -452,6 +454,30 @@ void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B,
         gemm_rows<T, 2>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
       else
         gemm_rows<T, 1>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+    }
+  }
+}
+
+/// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
+/// of A first (the register block broadcasts A^T's rows from consecutive elements). `upper`: A^T is
+/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0 (as `gemm_upper`).
+template <class T>
+void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+             bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
+    const bool two = j0 + 2 * L <= n;
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = int(imin(kMR, m - i0));
+      if (tr) tr->step();
+      const int64_t k0 = upper ? i0 : 0;
+      const T* a = A + k0 * lda + i0;
+      const T* bb = B + k0 * ldb + j0;
+      T* cc = C + i0 * ldc + j0;
+      if (two)
+        gemm_rows<T, 2, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
+      else
+        gemm_rows<T, 1, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
     }
   }
 }
@@ -516,7 +542,7 @@ struct Quad {
 /// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 4 x 4 register blocks (eight shuffles
 /// each) inside 16 x 16 tiles, scalar edges.
 template <class T>
-void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
+void transpose_quads(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
   using Q = typename Quad<T>::type;
   using M = typename Quad<T>::mask;
   constexpr int64_t B = 16;
@@ -542,6 +568,58 @@ void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, in
   }
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = i < r4 ? c4 : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+#if defined(__AVX512F__)
+/// One 16 x 16 float tile, dst[j * ldd + i] = src[i * lds + j]: sixteen rows in registers, four
+/// shuffle stages (64 shuffles per 256 elements, where the 4 x 4 blocks take 128 and four times the
+/// loads and stores).
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  typedef float VFu __attribute__((vector_size(64), aligned(4), may_alias));
+  VF r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = *reinterpret_cast<const VFu*>(src + i * lds);
+  const VI lo{0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29}, hi = lo + 2;
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved (unpcklps, unpckhps)
+    t[i] = __builtin_shuffle(r[i], r[i + 1], lo);
+    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], hi);
+  }
+  const VI s0{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, s1 = s0 + 2;
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks transposed inside each 128-bit lane (shufps)
+    r[i] = __builtin_shuffle(t[i], t[i + 2], s0);
+    r[i + 1] = __builtin_shuffle(t[i], t[i + 2], s1);
+    r[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], s0);
+    r[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], s1);
+  }
+  const VI q0{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, q1 = q0 + 4;
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes, in two stages (shuff32x4)
+    t[i] = __builtin_shuffle(r[i], r[i + 4], q0);
+    t[i + 4] = __builtin_shuffle(r[i], r[i + 4], q1);
+    t[i + 8] = __builtin_shuffle(r[i + 8], r[i + 12], q0);
+    t[i + 12] = __builtin_shuffle(r[i + 8], r[i + 12], q1);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = __builtin_shuffle(t[i], t[i + 8], q0);
+    r[i + 8] = __builtin_shuffle(t[i], t[i + 8], q1);
+  }
+  for (int i = 0; i < 16; ++i) *reinterpret_cast<VFu*>(dst + i * ldd) = r[i];
+}
+#endif
+
+/// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols. AVX-512 float: whole 16 x 16 tiles in
+/// registers (transpose16), the edges by transpose_quads.
+template <class T>
+void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;
+    for (int64_t i0 = 0; i0 < r16; i0 += 16)
+      for (int64_t j0 = 0; j0 < c16; j0 += 16) transpose16(src + i0 * lds + j0, lds, dst + j0 * ldd + i0, ldd);
+    if (c16 < cols) transpose_quads(r16, cols - c16, src + c16, lds, dst + c16 * ldd, ldd);
+    if (r16 < rows) transpose_quads(rows - r16, cols, src + r16 * lds, lds, dst + r16, ldd);
+    return;
+  }
+#endif
+  transpose_quads(rows, cols, src, lds, dst, ldd);
 }
 
 /// Scratch memory of one chunkwise task (forward or backward): 64-byte aligned, left uninitialised
@@ -974,7 +1052,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   const bool diag = s.decay == decay::Kind::diagonal;
 
   // Scratch: the thread's reused block, zeroed once per task (padding lanes and columns stay zero).
-  // Stg stages rows for a transpose: the squash M (step 2), then KW ⊙ e^{gamma_C - gamma} (step 3),
+  // Stg stages rows: the statistics A_t of the chunk (step 2), then KW ⊙ e^{gamma_C - gamma} (step 3),
   // then the sub-block keys of diagonal decay (step 6). RO is [R; O]: the pseudo-values, then the outputs.
   // Each head of the group has its own state S and statistics A. Training cache (KernelParams::saved),
   // when saving: Bu gets the unscaled key products (Akk / beta), Pk the chunk's packed [Aqk lower |
@@ -1085,32 +1163,47 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
     const T* KW = Kn;
     if (s.diag_pre) {
       if (blk && vb == 0) std::memcpy(blk + p.saved_aoff, A, size_t(Kp) * sizeof(T));  // A entering the chunk
-      // One pass per token: the statistics, their squash M and the preconditioned key (or query).
+      // The statistics of every row first (8 vectors of channels at a time: independent FMA chains
+      // over the tokens), staged in Stg; then the squash of the whole block, 8 vectors at a time
+      // (interleaved chains, across token rows), and the preconditioned key (or query).
       T* dst = s.atk ? KWb : Qr;
       const T* src = s.atk ? Kn : Qr;
-      constexpr int G = 8;  // vectors squashed together (interleaved chains)
+      T* At = Stg;
+      T* ga = tmp;       // e^{g_p} of each row
+      T* gb = tmp + Cp;  // beta_p of each row
       for (int64_t i = 0; i < c; ++i) {
         const int64_t t = t0 + cs + i;
-        const T a = std::exp(s.gp(b, t, h)), bb = s.bp(b, t, h);
-        const T* kn = Kn + i * Kp;
-        for (int64_t ch0 = 0; ch0 < Kp; ch0 += G * L) {
-          const int ng = int(imin(G, (Kp - ch0) / L));
-          V x[G], m[G];
-          for (int u = 0; u < ng; ++u) {
-            const V k = vload(kn + ch0 + u * L);
-            x[u] = a * vload(A + ch0 + u * L) + bb * k * k;
-            vstore(A + ch0 + u * L, x[u]);
+        ga[i] = std::exp(s.gp(b, t, h)), gb[i] = s.bp(b, t, h);
+      }
+      constexpr int NA = 8;  // vectors of channels advanced together (independent chains)
+      for (int64_t ch0 = 0; ch0 < Kp; ch0 += NA * L) {
+        const int nv = int(imin(NA, (Kp - ch0) / L));
+        V x[NA];
+        for (int u = 0; u < nv; ++u) x[u] = vload(A + ch0 + u * L);
+        for (int64_t i = 0; i < c; ++i) {
+          const T ai = ga[i], bi = gb[i];
+          for (int u = 0; u < nv; ++u) {
+            const V k = vload(Kn + i * Kp + ch0 + u * L);
+            x[u] = ai * x[u] + bi * k * k;
+            vstore(At + i * Kp + ch0 + u * L, x[u]);
           }
-          if constexpr (sizeof(T) == 4) {
-            if (ng != G || !squash_vn<G>(x, m, ctr, s.log_x, s.eps))
-              for (int u = 0; u < ng; ++u) m[u] = squash_v(x[u], ctr, s.log_x, s.eps);
-          } else {
-            for (int u = 0; u < ng; ++u)
-              for (int l = 0; l < L; ++l) m[u][l] = squash1(x[u][l], ctr, s.log_x, s.eps);
-          }
-          for (int u = 0; u < ng; ++u)
-            vstore(dst + i * Kp + ch0 + u * L, vload(src + i * Kp + ch0 + u * L) * m[u]);
         }
+        for (int u = 0; u < nv; ++u) vstore(A + ch0 + u * L, x[u]);
+      }
+      const int64_t n = c * Kp;
+      int64_t i0 = 0;
+      if constexpr (sizeof(T) == 4) {
+        constexpr int G = 8;  // vectors squashed together
+        for (; i0 + G * L <= n; i0 += G * L) {
+          V x[G], m[G];
+          for (int u = 0; u < G; ++u) x[u] = vload(At + i0 + u * L);
+          if (!squash_vn<G>(x, m, ctr, s.log_x, s.eps)) break;  // the vector-by-vector loop takes over
+          for (int u = 0; u < G; ++u) vstore(dst + i0 + u * L, vload(src + i0 + u * L) * m[u]);
+        }
+        for (; i0 < n; i0 += L)
+          vstore(dst + i0, vload(src + i0) * squash_v(vload(At + i0), ctr, s.log_x, s.eps));
+      } else {
+        for (; i0 < n; ++i0) dst[i0] = src[i0] * squash1(At[i0], ctr, s.log_x, s.eps);
       }
       if (s.atk) KW = KWb;
     }
