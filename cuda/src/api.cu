@@ -210,19 +210,25 @@ kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   return c;
 }
 
-const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
-  kernels::ChunkArgs c = make_chunk_args(p, a);
-  void* base = ws.get(kernels::chunk_workspace(c, nullptr));
-  kernels::chunk_workspace(c, base);
+/// Launches the chunkwise forward kernels of `c` (workspace laid out) for input type `d`; throws on a
+/// launch error. Returns the variant's name.
+const char* run_chunkwise(const kernels::ChunkArgs& c, DType d, cudaStream_t s) {
   const char* impl = "cuda/chunkwise";
   cudaError_t e = cudaSuccess;
-  switch (p.dtype) {
+  switch (d) {
     case DType::f32: e = launch_chunk_typed<float>(c, s, &impl); break;
     case DType::bf16: e = launch_chunk_typed<__nv_bfloat16>(c, s, &impl); break;
     case DType::f16: e = launch_chunk_typed<__half>(c, s, &impl); break;
   }
   throw_on(e, "chunkwise kernel launch");
   return impl;
+}
+
+const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
+  kernels::ChunkArgs c = make_chunk_args(p, a);
+  void* base = ws.get(kernels::chunk_workspace(c, nullptr));
+  kernels::chunk_workspace(c, base);
+  return run_chunkwise(c, p.dtype, s);
 }
 
 }  // namespace
@@ -376,16 +382,8 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream) {
   if (!cp) return forward(p, ws, stream);  // the backward is not chunkwise: nothing to keep
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const char* impl = "cuda/chunkwise";
-  cudaError_t e = cudaSuccess;
-  switch (p.dtype) {
-    case DType::f32: e = launch_chunk_typed<float>(c, s, &impl); break;
-    case DType::bf16: e = launch_chunk_typed<__nv_bfloat16>(c, s, &impl); break;
-    case DType::f16: e = launch_chunk_typed<__half>(c, s, &impl); break;
-  }
-  ws.set_saved_forward(0);
-  throw_on(e, "chunkwise kernel launch");
+  ws.set_saved_forward(0);  // until the launch succeeded
+  const char* impl = run_chunkwise(c, p.dtype, static_cast<cudaStream_t>(stream));
   ws.set_saved_forward(fingerprint(p));
   return impl;
 }
