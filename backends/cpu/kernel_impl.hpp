@@ -10,6 +10,7 @@
 #include <cstring>
 #include <new>
 #include <type_traits>
+#include <utility>
 
 #include "isa.hpp"
 
@@ -438,48 +439,51 @@ inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, i
 /// block i0.. needs k < i0 + rows); or only C's lower triangle wanted (C[i][j] for j <= i).
 enum class Tri { none, a_lower, c_lower };
 
-/// `tr`, when given, gets one step() per register block (Trickle).
-template <class T>
-void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
+/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of 2 (or 1) vectors, row
+/// blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and `skip(i0, mr, j0)`
+/// a block to leave out. AT: A is stored k-major (A^T[r][k] at A[k * lda + r]).
+template <class T, bool AT, class KRange, class Skip>
+void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
+                Trickle<T>* tr, KRange&& krange, Skip&& skip) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
     const bool two = j0 + 2 * L <= n;
     for (int64_t i0 = 0; i0 < m; i0 += kMR) {
       const int mr = int(imin(kMR, m - i0));
-      if (tri == Tri::c_lower && j0 >= i0 + mr) continue;
+      if (skip(i0, mr, j0)) continue;
       if (tr) tr->step();
-      const int64_t k = tri == Tri::a_lower ? imin(kd, i0 + mr) : kd;
+      const auto [k0, k1] = krange(i0, mr);
+      const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
+      const T* bb = B + k0 * ldb + j0;
+      T* cc = C + i0 * ldc + j0;
       if (two)
-        gemm_rows<T, 2>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+        gemm_rows<T, 2, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
       else
-        gemm_rows<T, 1>(mr, k, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+        gemm_rows<T, 1, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
     }
   }
 }
 
+/// `tr`, when given, gets one step() per register block (Trickle).
+template <class T>
+void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
+  gemm_sweep<T, false>(
+      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      [&](int64_t i0, int mr) { return std::pair<int64_t, int64_t>{0, tri == Tri::a_lower ? imin(kd, i0 + mr) : kd}; },
+      [&](int64_t i0, int mr, int64_t j0) { return tri == Tri::c_lower && j0 >= i0 + mr; });
+}
+
 /// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
 /// of A first (the register block broadcasts A^T's rows from consecutive elements). `upper`: A^T is
-/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0 (as `gemm_upper`).
+/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0.
 template <class T>
 void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
              bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
-  constexpr int L = Vec<T>::L;
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
-    const bool two = j0 + 2 * L <= n;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int mr = int(imin(kMR, m - i0));
-      if (tr) tr->step();
-      const int64_t k0 = upper ? i0 : 0;
-      const T* a = A + k0 * lda + i0;
-      const T* bb = B + k0 * ldb + j0;
-      T* cc = C + i0 * ldc + j0;
-      if (two)
-        gemm_rows<T, 2, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
-      else
-        gemm_rows<T, 1, kMR, true>(mr, kd - k0, a, lda, bb, ldb, cc, ldc, acc);
-    }
-  }
+  gemm_sweep<T, true>(
+      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      [&](int64_t i0, int) { return std::pair<int64_t, int64_t>{upper ? i0 : 0, kd}; },
+      [](int64_t, int, int64_t) { return false; });
 }
 
 // ---------------------------------------------------------------------------------------------
