@@ -719,7 +719,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     const float bi = s_beta[i], di = ok ? s_diag[i] : 0.f;
     const int64_t row = row0 + i;
 #pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
+    for (int nt = 0; nt < NK; ++nt) {
+      float out_q[2] = {}, out_kn[2] = {}, out_kw[2] = {};  // columns c, c + 1: one 8-byte store each
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
@@ -738,13 +739,18 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
           x2[nt][e] = fmaf(bi, P, dkn);
           dotq[hr] = fmaf(qr, dqr, dotq[hr]);
           dotk[hr] = fmaf(kn, x2[nt][e], dotk[hr]);
-        } else if (ok && c < bw.Kp) {
-          const int64_t o = (row * a.HV + hv) * bw.Kp + c;
-          bw.dQ[o] = dqr;
-          bw.dKn[o] = dkn;
-          bw.dKW[o] = bi * P;
+        } else {
+          out_q[u] = dqr, out_kn[u] = dkn, out_kw[u] = bi * P;
         }
       }
+      const int c = acc_col(ck0 + 8 * nt, 2 * hr);  // even; Kp is a multiple of 64
+      if (!fused && ok && c < bw.Kp) {
+        const int64_t o = (row * a.HV + hv) * bw.Kp + c;
+        *reinterpret_cast<float2*>(bw.dQ + o) = make_float2(out_q[0], out_q[1]);
+        *reinterpret_cast<float2*>(bw.dKn + o) = make_float2(out_kn[0], out_kn[1]);
+        *reinterpret_cast<float2*>(bw.dKW + o) = make_float2(out_kw[0], out_kw[1]);
+      }
+    }
   }
   float* s_dot = s_red;  // [C][G][2] (q, k) row dots per column group
   if (fused) {
