@@ -197,6 +197,13 @@ bool vec_rows(const Tensor& t, int64_t d) {
          t.stride[2] % 8 == 0 && d % 8 == 0;
 }
 
+/// Two-element writes: base aligned to two elements of `d` and every stride even.
+bool pair_rows(const Tensor& t, DType d) {
+  const size_t elem = d == DType::f32 ? 4 : 2;
+  return reinterpret_cast<uintptr_t>(t.data) % (2 * elem) == 0 && t.stride[0] % 2 == 0 && t.stride[1] % 2 == 0 &&
+         t.stride[2] % 2 == 0;
+}
+
 /// The chunkwise kernels' arguments of call `p` (workspace pointers unset).
 kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   kernels::ChunkArgs c;
@@ -207,6 +214,7 @@ kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   c.Vpad = static_cast<int>((p.V + 63) / 64 * 64);
   c.vec_qk = vec_rows(p.q, p.K) && vec_rows(p.k, p.K);
   c.vec_v = vec_rows(p.v, p.V);
+  c.pair_o = pair_rows(p.o, p.dtype);
   return c;
 }
 
@@ -298,6 +306,7 @@ kernels::BwdArgs make_bwd_args(const Params& p, const GradParams& g) {
   b.da0 = static_cast<float*>(out(g.da0));
   copy_strides(b.sdo, g.d_o), copy_strides(b.sdhT, g.dhT), copy_strides(b.sdaT, g.daT);
   copy_strides(b.sdq, g.dq), copy_strides(b.sdk, g.dk), copy_strides(b.sdv, g.dv), copy_strides(b.sdg, g.dg);
+  b.pair_dq = pair_rows(g.dq, p.dtype), b.pair_dk = pair_rows(g.dk, p.dtype), b.pair_dv = pair_rows(g.dv, p.dtype);
   copy_strides(b.sdbeta, g.dbeta), copy_strides(b.sdgp, g.dg_p), copy_strides(b.sdbp, g.dbeta_p);
   copy_strides(b.sdh0, g.dh0), copy_strides(b.sda0, g.da0);
   b.Kp = p.K <= 64 ? 64 : 128;

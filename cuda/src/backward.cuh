@@ -60,6 +60,7 @@ struct BwdArgs {
   /// With the chunkwise backward (host pointer, launch_backward only): its arguments; steps 3 to 5 run
   /// on tensor cores (chunk_backward_impl.cuh) and R, dR, S, G are not allocated.
   const ChunkArgs* chunk = nullptr;
+  bool pair_dq = false, pair_dk = false, pair_dv = false;  ///< written two elements at a time (pair_rows)
   int Kp = 64;        ///< K padded to 64 or 128 (row length of the key-side workspace arrays)
   int64_t rows = 0;   ///< B * T token rows
   int64_t slots = 0;  ///< checkpoint slots: rows / 64 + 2 N + 1

@@ -103,6 +103,7 @@ struct ChunkArgs {
   int Vpad = 0;                ///< V rounded up to 64 (row length of U in the workspace)
   bool vec_qk = false;         ///< q and k rows can be read 16 bytes at a time (aligned, K % 8 == 0)
   bool vec_v = false;          ///< v rows can be read 16 bytes at a time
+  bool pair_o = false;         ///< o can be written two adjacent elements at a time (pair_rows)
   // Workspace (device), laid out by chunk_workspace().
   int2* map = nullptr;       ///< [chunk_bound] (sequence, chunk) of each global chunk, n = -1 past the end
   int64_t* first = nullptr;  ///< [N + 1] first global chunk of each sequence

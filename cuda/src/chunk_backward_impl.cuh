@@ -258,11 +258,9 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
         store2(sX + i * LDV + j, me * x0, me * x1);
         store2(dXg + i * Vp + j, x0, x1);
         const int col = v0 + j;
-        if (dv && i < L) {
-          const int64_t o = b * bw.sdv[0] + (bos + ci * C + i) * bw.sdv[1] + hv * bw.sdv[2] + col;
-          if (col < a.V) dv[o] = from_float<Tin>(x0);
-          if (col + 1 < a.V) dv[o + 1] = from_float<Tin>(x1);
-        }
+        if (dv && i < L)
+          write_pair(dv + b * bw.sdv[0] + (bos + ci * C + i) * bw.sdv[1] + hv * bw.sdv[2] + col, x0, x1, bw.pair_dv,
+                     col < a.V, col + 1 < a.V);
       }
     __syncthreads();
     // H <- e^{gamma_L} H + Qr^T (E ⊙ dO) + Kn^T (-E ⊙ dX).
@@ -781,16 +779,21 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
       for (int q = 0; q < G; ++q) dq_dot += s_dot[(i * G + q) * 2], dk_dot += s_dot[(i * G + q) * 2 + 1];
       dq_dot = a.l2norm ? dq_dot * inv_scale : 0.f;
       dk_dot = a.l2norm ? dk_dot : 0.f;
+      Tin* dq_row = dq ? dq + at3(bw.sdq, p.b, t, hv) : nullptr;
+      Tin* dk_row = dk ? dk + at3(bw.sdk, p.b, t, hv) : nullptr;
 #pragma unroll
-      for (int nt = 0; nt < NK; ++nt)
+      for (int nt = 0; nt < NK; ++nt) {
+        const int e = 2 * hr, c = acc_col(ck0 + 8 * nt, e);  // columns c, c + 1
+        float gq[2], gk[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
-          if (c >= a.K) continue;
-          const float qh = to_float(sQr[i * LDK + c]) * inv_scale, kh = to_float(sKn[i * LDK + c]);
-          if (dq) dq[at3(bw.sdq, p.b, t, hv) + c] = from_float<Tin>(a.scale * sq * (x1[nt][e] - qh * dq_dot));
-          if (dk) dk[at3(bw.sdk, p.b, t, hv) + c] = from_float<Tin>(sk * (x2[nt][e] - kh * dk_dot));
+          const float qh = to_float(sQr[i * LDK + c + u]) * inv_scale, kh = to_float(sKn[i * LDK + c + u]);
+          gq[u] = a.scale * sq * (x1[nt][e + u] - qh * dq_dot);
+          gk[u] = sk * (x2[nt][e + u] - kh * dk_dot);
         }
+        if (dq_row) write_pair(dq_row + c, gq[0], gq[1], bw.pair_dq, c < a.K, c + 1 < a.K);
+        if (dk_row) write_pair(dk_row + c, gk[0], gk[1], bw.pair_dk, c < a.K, c + 1 < a.K);
+      }
     }
   }
 #pragma unroll

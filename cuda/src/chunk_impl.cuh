@@ -98,6 +98,29 @@ __device__ __forceinline__ void store2(Op* p, float x, float y) {
   *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(v);
 }
 
+/// Stores x, y at p[0], p[1] with one access (p aligned to two elements).
+__device__ __forceinline__ void store_pair(float* p, float x, float y) {
+  *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store_pair(__half* p, float x, float y) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+
+/// Writes x, y to columns c, c + 1 of a row (c even) at p: one access when `pair` (aligned rows, both
+/// columns in range, see pair_rows), else each element where ok0, ok1.
+template <class T>
+__device__ __forceinline__ void write_pair(T* p, float x, float y, bool pair, bool ok0, bool ok1) {
+  if (pair && ok1) {
+    store_pair(p, x, y);
+  } else {
+    if (ok0) p[0] = from_float<T>(x);
+    if (ok1) p[1] = from_float<T>(y);
+  }
+}
+
 /// One warp copies 16 rows of `cols` 16-bit elements (cols % 8 == 0) from shared memory to global
 /// memory, 16 bytes per lane and step.
 template <class Op>
@@ -1059,10 +1082,11 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 4; e += 2) {
         const int i = acc_row(m0, e), col = v0 + acc_col(c0 + 8 * nt, e);
-        if (want_o && i < L && col < a.V)
-          o[b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col] = from_float<Tin>(acc_o[nt][e]);
+        if (want_o && i < L)
+          write_pair(o + b * a.so[0] + (bos + ci * C + i) * a.so[1] + hv * a.so[2] + col, acc_o[nt][e],
+                     acc_o[nt][e + 1], ca.pair_o, col < a.V, col + 1 < a.V);
       }
       // S <- e^gamma_C S + KW^T (R ⊙ e^(gamma_C - gamma)) (Diagonal decay: state row c times e^gamma_C[c]).
 #pragma unroll

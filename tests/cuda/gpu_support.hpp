@@ -94,9 +94,11 @@ inline DevBuf upload(const std::vector<double>& v, DType d) {
 }
 
 /// The first `n` elements (type d) of a device buffer as float64 (exact: distinct bits stay distinct).
-inline std::vector<double> download(const DevBuf& b, size_t n, DType d) {
+inline std::vector<double> download(const DevBuf& b, size_t n, DType d, size_t offset = 0) {
   std::vector<unsigned char> host(n * elem_size(d) + 1);
-  check_cuda(cudaMemcpy(host.data(), b.p, n * elem_size(d), cudaMemcpyDeviceToHost), "download");
+  check_cuda(cudaMemcpy(host.data(), static_cast<const char*>(b.p) + offset * elem_size(d), n * elem_size(d),
+                        cudaMemcpyDeviceToHost),
+             "download");
   std::vector<double> out(n);
   for (size_t i = 0; i < n; ++i) {
     if (d == DType::f32) {

@@ -39,10 +39,11 @@ Arrays reference_backward(const Case& c) {
 /// Runs dgps::cuda::backward on case `c` with q, k, v, do of type d and gates of type gd and algorithm
 /// `alg`, asking for the gradients reference_backward computes (destinations poisoned with NaN first).
 /// With `fwd`: dgps::cuda::forward_training first, its o, hT (and aT) downloaded into *fwd; with
-/// `between` also, that call runs between the two (another call on the workspace).
+/// `between` also, that call runs between the two (another call on the workspace). `offset`: o and the
+/// gradients start that many elements into their buffers (1: rows not aligned to element pairs).
 Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl,
                     dgps::Algorithm alg = dgps::Algorithm::automatic, Arrays* fwd = nullptr,
-                    const std::function<void()>& between = {}) {
+                    const std::function<void()>& between = {}, size_t offset = 0) {
   const int64_t T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim,
                 N = c.N;
   DeviceCase dc(c, d, gd, alg);
@@ -70,9 +71,9 @@ Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
     const std::string n(name);
     const DType type = n == "q" || n == "k" || n == "v" ? d : gd;
     const size_t count = c.arr.at(n).size();
-    GradBuf& b = out["d" + n] = GradBuf{poisoned(count * elem_size(type)), count, type};
+    GradBuf& b = out["d" + n] = GradBuf{poisoned((count + offset) * elem_size(type)), count, type};
     *t.second = *t.first;  // the input's strides
-    t.second->data = b.buf.p;
+    t.second->data = static_cast<char*>(b.buf.p) + offset * elem_size(type);
   }
   const size_t nh = size_t(N * HV * K * V), na = size_t(N * H * K);
   out["dh0"] = GradBuf{poisoned(nh * 4), nh, DType::f32};
@@ -84,14 +85,15 @@ Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
   if (fwd) {
     const int64_t B = c.shape.batch;
     const bool diag_p = dgps_test::has_precond_state(c.spec);
-    DevBuf o = poisoned(size_t(B * T * HV * V) * elem_size(d)), hT = poisoned(nh * 4), aT = poisoned(na * 4);
+    DevBuf o = poisoned(size_t(B * T * HV * V + offset) * elem_size(d)), hT = poisoned(nh * 4), aT = poisoned(na * 4);
     dgps::cuda::Params pt = p;
     pt.o = contiguous4(o, T, HV, V);
+    pt.o.data = static_cast<const char*>(pt.o.data) + offset * elem_size(d);
     pt.hT = contiguous4(hT, HV, K, V);
     if (diag_p) pt.aT = contiguous4(aT, H, K, 1);
     dgps::cuda::forward_training(pt, ws, nullptr);
     check_cuda(cudaDeviceSynchronize(), "training forward");
-    (*fwd)["o"] = download(o, size_t(B * T * HV * V), d);
+    (*fwd)["o"] = download(o, size_t(B * T * HV * V), d, offset);
     (*fwd)["hT"] = download(hT, nh, DType::f32);
     if (diag_p) (*fwd)["aT"] = download(aT, na, DType::f32);
     if (between) between();
@@ -100,7 +102,7 @@ Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
   *impl = dgps::cuda::backward(p, g, ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "backward");
   Arrays r;
-  for (const auto& [n, b] : out) r[n] = download(b.buf, b.n, b.type);
+  for (const auto& [n, b] : out) r[n] = download(b.buf, b.n, b.type, b.n && n != "dh0" && n != "da0" ? offset : 0);
   return r;
 }
 
@@ -300,6 +302,27 @@ void training_forward(dgps::cuda::Workspace& ws, bool quick) {
   }
 }
 
+/// o, dq, dk, dv one element off the alignment of element pairs (and V odd): the kernels' element-wise
+/// write path, forward_training and backward within the bf16 tolerances of the float64 reference.
+void unaligned_outputs(dgps::cuda::Workspace& ws) {
+  uint64_t seed = 9300;
+  for (const char* m : {"gdn", "pgdn"}) {
+    for (const int64_t V : {128, 63}) {
+      const std::string name = std::string("bwd/unaligned_outputs/") + m + "/V" + std::to_string(V);
+      const Case c = make_random(
+          m, {.batch = 1, .time = 130, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = V}, {}, seed++);
+      std::string impl;
+      Arrays fwd;
+      const Arrays got =
+          gpu_backward(c, DType::bf16, DType::f32, ws, &impl, dgps::Algorithm::chunkwise, &fwd, {}, /*offset=*/1);
+      const Case r = rounded(c, DType::bf16, DType::f32);
+      const Arrays ref_f = reference_forward(r), ref_b = reference_backward(r);
+      report(name + "/bf16", "o", dgps_test::rel_err(fwd.at("o"), ref_f.at("o")), 2e-2, "forward_training");
+      for (const auto& [n, x] : got) report(name + "/bf16", n.c_str(), rms_rel(x, ref_b.at(n)), grad_tolerance(n, false), impl);
+    }
+  }
+}
+
 /// True when every byte of `b` is still 0xff (the poison of `poisoned`).
 bool still_poisoned(const DevBuf& b) {
   std::vector<unsigned char> host(b.bytes);
@@ -384,6 +407,7 @@ void backward_tests(dgps::cuda::Workspace& ws, bool quick) {
   random_cases(ws, quick);
   training_forward(ws, quick);
   if (quick) return;
+  unaligned_outputs(ws);
   validation(ws);
   public_api();
 }
