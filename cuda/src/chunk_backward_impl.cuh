@@ -856,23 +856,6 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   }
 }
 
-/// 2^x, log2(x) and 1/x with the approximate hardware instructions, denormals flushed to zero.
-__device__ __forceinline__ float ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float lg2_ftz(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 /// The squash M (SPEC §2) and its slopes dM/dA, dM/dcenter at A, with the approximate instructions
 /// (one log, one exp, two reciprocals, no branch); M = x and both slopes 0 where A + eps is not positive.
 /// `k` holds the per-head constants (log x, log2 x, center, eps).

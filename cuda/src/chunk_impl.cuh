@@ -83,12 +83,31 @@ __device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadI
 
 __device__ __forceinline__ int64_t imin64(int64_t x, int64_t y) { return x < y ? x : y; }
 
-/// The squash of SPEC §2 with fast intrinsics (the chunkwise kernels' results carry 16-bit rounding).
-__device__ __forceinline__ float squash_fast(float A, float center, float log_x, float eps) {
+/// 2^x, log2(x) and 1/x with the approximate hardware instructions, denormals flushed to zero.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float lg2_ftz(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// The squash of SPEC §2 with the approximate instructions and no branch (the chunkwise kernels' results
+/// carry 16-bit rounding); log2_x = log2(x). M = x where A + eps is not positive.
+__device__ __forceinline__ float squash_fast(float A, float center, float log2_x, float eps) {
+  constexpr float kLn2 = 0.69314718056f;
   const float ae = A + eps;
-  if (!(ae > 0.f)) return __expf(log_x);
-  const float r = __logf(ae) - center;
-  return __expf(-log_x * __fdividef(r, 1.f + fabsf(r)));
+  const bool pos = ae > 0.f;
+  const float r = fmaf(lg2_ftz(pos ? ae : 1.f), kLn2, -center);
+  return ex2_ftz(pos ? -log2_x * r * rcp_ftz(1.f + fabsf(r)) : log2_x);
 }
 
 /// Stores two adjacent elements (an even column pair) with one 32-bit access.
@@ -125,11 +144,24 @@ __device__ __forceinline__ void write_pair(T* p, float x, float y, bool pair, bo
 /// memory, 16 bytes per lane and step.
 template <class Op>
 __device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src, int sld, int cols) {
-  const int lane = threadIdx.x & 31, per_row = cols / 8;
-  for (int e = lane; e < 16 * per_row; e += 32) {
-    const int r = e / per_row, c8 = (e % per_row) * 8;
-    *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
-  }
+  const int lane = threadIdx.x & 31;
+  auto copy = [&](auto per_row) {  // compile-time 8-element groups per row: no integer division
+    constexpr int PR = decltype(per_row)::value;
+#pragma unroll
+    for (int e = lane; e < 16 * PR; e += 32) {
+      const int r = e / PR, c8 = (e % PR) * 8;
+      *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+    }
+  };
+  if (cols == 128)
+    copy(std::integral_constant<int, 16>{});
+  else if (cols == 64)
+    copy(std::integral_constant<int, 8>{});
+  else
+    for (int e = lane; e < 2 * cols; e += 32) {  // 16 rows of cols / 8 groups
+      const int per_row = cols / 8, r = e / per_row, c8 = (e % per_row) * 8;
+      *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+    }
 }
 
 /// Where global chunk `gc` lies: its sequence, index in the sequence, tokens.
@@ -199,15 +231,18 @@ __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int
   constexpr int PR = COLS / 8;             // 8-element groups per row
   constexpr int IT = C * PR / kThreads;    // groups per thread
   constexpr int W = sizeof(Tin) * 8 / 16;  // 16-byte words per group (1, or 2 for float)
-  static_assert(C * PR % kThreads == 0, "tile must split evenly");
+  static_assert(C * PR % kThreads == 0 && kThreads % PR == 0, "tile must split evenly");
   if (vec) {
     uint4 raw[IT][W];
+    constexpr int RS = kThreads / PR;  // rows between a thread's successive groups
+    const int r0 = threadIdx.x / PR, c8 = (threadIdx.x % PR) * 8;
+    const Tin* src = row0 + r0 * rs + c8;
 #pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const int e = threadIdx.x + it * kThreads, r = e / PR, c8 = (e % PR) * 8;
+    for (int it = 0; it < IT; ++it, src += RS * rs) {
+      const int r = r0 + it * RS;
 #pragma unroll
       for (int w = 0; w < W; ++w)
-        raw[it][w] = (r < L && c8 < D) ? reinterpret_cast<const uint4*>(row0 + r * rs + c8)[w] : make_uint4(0, 0, 0, 0);
+        raw[it][w] = (r < L && c8 < D) ? reinterpret_cast<const uint4*>(src)[w] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
@@ -646,17 +681,26 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     Op* out = (atk ? sKWb : sQ) + c;  // column c of kw (DiagonalATK) or qr (DiagonalATQ)
     if (c < a.K) {
       float A = ca.Ain[(gc * a.H + h) * KP + c];
-      const float center = load_gate(a.center, h, a.gate_dtype);
-#pragma unroll 4
-      for (int r = 0; r < L; ++r) {
-        const float kn = to_float(sK[r * LDK + c]);
-        A = s_gp[r] * A + s_bp[r] * kn * kn;  // s_gp holds exp(g_p)
-        const float M = squash_fast(A, center, a.log_x, a.eps);
-        out[r * LDK] = from_float<Op>((atk ? kn : to_float(out[r * LDK])) * M);
+      const float center = load_gate(a.center, h, a.gate_dtype), log2_x = a.log_x * 1.44269504089f;
+      // 8 rows at a time: the statistics' chain first, then 8 independent squashes. Rows past L keep A
+      // (g_p = 0, beta_p = 0 there) and have k = q = 0, so their kw (qr) is 0.
+#pragma unroll 1
+      for (int r0 = 0; r0 < C; r0 += 8) {
+        float kn[8], Ar[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) kn[u] = to_float(sK[(r0 + u) * LDK + c]);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) Ar[u] = A = fmaf(s_gp[r0 + u], A, s_bp[r0 + u] * kn[u] * kn[u]);  // s_gp: exp(g_p)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const float M = squash_fast(Ar[u], center, log2_x, a.eps);
+          Op* o = out + (r0 + u) * LDK;
+          *o = from_float<Op>((atk ? kn[u] : to_float(*o)) * M);
+        }
       }
     }
-    if (atk)  // rows past L and columns past K of kw are zero (q's already are)
-      for (int r = c < a.K ? L : 0; r < C; ++r) out[r * LDK] = from_float<Op>(0.f);
+    if (atk && c >= a.K)  // columns past K of kw are zero (q's already are)
+      for (int r = 0; r < C; ++r) out[r * LDK] = from_float<Op>(0.f);
   }
   __syncthreads();
 
