@@ -130,9 +130,8 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
     uint32_t fa[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sP, LDC, m0, kk * 16);
-    rows_times<Op>(fa, sDO, LDK, int(Vp), [&](int e, int n, float x, float y) {
-      store2(sY + acc_row(m0, e) * LDK + acc_col(n, e), x, y);
-    });
+    rows_times<Op>(fa, sDO, LDK, int(Vp),
+                   [&](int e, int n, float x, float y) { store2(sY + acc_row(m0, e) * LDK + acc_col(n, e), x, y); });
   }
   __syncthreads();  // Y and KWn ⊙ Ed complete; do is no longer read (its rows become staging)
   {
@@ -178,16 +177,18 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   auto issue = [&](int64_t ci) {
     Op* buf = sBuf + (ci & 1) * BUF;
     const int64_t head = (first + ci) * a.HV + hv;
-    copy_tile_async<KP>(buf, LDK, static_cast<const Op*>(ca.W) + head * C * KP, KP, C);
-    copy_tile_async<KP>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C);
-    if (a.online) copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
-    copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
-    copy_tile_async<VT>(buf + 3 * C * LDK + C * LDV, LDV, static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<KP, WARPS * 32>(buf, LDK, static_cast<const Op*>(ca.W) + head * C * KP, KP, C);
+    copy_tile_async<KP, WARPS * 32>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C);
+    if (a.online)
+      copy_tile_async<KP, WARPS * 32>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
+    copy_tile_async<VT, WARPS * 32>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<VT, WARPS * 32>(buf + 3 * C * LDK + C * LDV, LDV,
+                                    static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp, C);
     Op* dec = buf + 3 * C * LDK + 2 * C * LDV;
     if (diag)
-      copy_tile_async<2 * KP>(dec, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head * KP), 2 * KP, 1);
+      copy_tile_async<2 * KP, WARPS * 32>(dec, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head * KP), 2 * KP, 1);
     else
-      copy_tile_async<2 * C>(dec, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C), 2 * C, 1);
+      copy_tile_async<2 * C, WARPS * 32>(dec, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C), 2 * C, 1);
     cp_commit();
   };
   if (count > 0) issue(count - 1);
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
     const float* sG = reinterpret_cast<const float*>(sDO + C * LDV);
     const float gC = diag ? 1.f : __expf(sG[L - 1]);
     const int64_t head = (first + ci) * a.HV + hv;
-    store_tile<VT>(static_cast<Op*>(ca.Hc) + head * KP * Vp + v0, Vp, sH, LDV, KP);
+    store_tile<VT, WARPS * 32>(static_cast<Op*>(ca.Hc) + head * KP * Vp + v0, Vp, sH, LDV, KP);
     if (!diag)  // E ⊙ do, read after the next barrier
       scale_rows<VT>(sDO, sDO, LDV, C, [&](int r) { return __expf(sG[r]); });
     // dX = Ub + Wb H for rows m0 .. m0 + 15.
@@ -396,12 +397,12 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   Op* sMr = sMq + C * LDC;                // [C][LDC] minus the masked, decayed Ar
   float* s_gam = reinterpret_cast<float*>(sMr + C * LDC);
   float* s_beta = s_gam + C;
-  float* s_diag = s_beta + C;    // dO_i . r_i
-  float* s_rho = s_diag + C;     // [C][G] row sums of kw ⊙ Ed (H r), rows < L - 1
-  float* s_db = s_rho + G * C;   // [C][G]
-  float* s_dg = s_db + G * C;    // [C][G]
-  float* s_last = s_dg + G * C;  // [KP] H r of the last row
-  float* s_red = s_last + KP;    // [kGradThreads]
+  float* s_diag = s_beta + C;          // dO_i . r_i
+  float* s_rho = s_diag + C;           // [C][G] row sums of kw ⊙ Ed (H r), rows < L - 1
+  float* s_db = s_rho + G * C;         // [C][G]
+  float* s_dg = s_db + G * C;          // [C][G]
+  float* s_last = s_dg + G * C;        // [KP] H r of the last row
+  float* s_red = s_last + KP;          // [kGradThreads]
   float* s_hs = s_red + kGradThreads;  // [KP] Diagonal decay: sum over v of H ⊙ S_0 per channel
   float* s_bnd = s_hs + KP;            // [4][KP] Diagonal decay: per row block, sum of beta kw ⊙ X3 (rows < L - 1)
   // Diagonal decay, in phase 1's region once it is done: gamma, the scaled keys, then dgamma.
@@ -565,7 +566,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
           x2[nt][e] *= -es;
           if (i == L - 1) s_last[c] = x3[nt][e];
           if (i < L - 1) {
-            bs[nt][u] = fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][u]);
+            bs[nt][u] =
+                fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][u]);
             x3[nt][e] *= __expf(gC - sG[(m0 + 15) * LDG + c]);
           } else {
             x3[nt][e] = 0.f;
@@ -585,13 +587,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
     // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
     float rho[2] = {0.f, 0.f};
-  #pragma unroll
+#pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int i = acc_row(m0, 2 * hr);
       const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < NK; ++nt)
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
           x1[nt][e] *= eg;
@@ -605,14 +607,15 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
           }
         }
     }
-  #pragma unroll
+#pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float x = quad_sum(rho[hr]);
       if ((lane & 3) == 0) s_rho[acc_row(m0, 2 * hr) * G + hf] = x;
     }
   }
   const float hs = !DIAG && a.decay == kDecayScalar ? block_sum(s_red) : 0.f;  // Σ H ⊙ S_0
-  __syncthreads();  // Mq, -Mr and the diagonal complete
+  // Mq, -Mr and the diagonal complete.
+  __syncthreads();
 
   // X1 += Mq Diag(beta) KW, X2 += (-Mr) Diag(beta) KW, X3 += Mq^T Qr + (-Mr)^T Kn, over the 16-column
   // blocks kb where Mq is not zero: kb <= a for X1, X2 (rows of block a), kb >= a for X3. Diagonal
@@ -911,12 +914,12 @@ template <class Tin, bool FULL>
 struct KeyChannel {
   const KeyRows& s;
   int L;
-  bool ok;             ///< c < K
-  int group;           ///< value heads per key head
-  int Kp;              ///< value-head stride of the gradient arrays
-  const Tin *kp, *qp;  ///< channel c of the chunk's first row of k, q
+  bool ok;                      ///< c < K
+  int group;                    ///< value heads per key head
+  int Kp;                       ///< value-head stride of the gradient arrays
+  const Tin *kp, *qp;           ///< channel c of the chunk's first row of k, q
   const float *gq, *gkn, *gkw;  ///< element (first row, first value head of the group, c) of dQ, dKn, dKW
-  int64_t ks, qs, gs;  ///< row strides of k, q and the gradient arrays
+  int64_t ks, qs, gs;           ///< row strides of k, q and the gradient arrays
 
   __device__ KeyChannel(const RecArgs& a, const BwdArgs& bw, const KeyRows& s_, const ChunkPos& p, int h, int c,
                         int64_t row0)
@@ -997,9 +1000,13 @@ __device__ __forceinline__ void with_key_chunk(const BwdArgs& bw, const ChunkPos
 /// through bit operations so the values stay in registers.
 __device__ __forceinline__ float lo16_to_float(uint32_t w, __nv_bfloat16*) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi16_to_float(uint32_t w, __nv_bfloat16*) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float lo16_to_float(uint32_t w, __half*) { return __half2float(__ushort_as_half(w & 0xffffu)); }
+__device__ __forceinline__ float lo16_to_float(uint32_t w, __half*) {
+  return __half2float(__ushort_as_half(w & 0xffffu));
+}
 __device__ __forceinline__ float hi16_to_float(uint32_t w, __half*) { return __half2float(__ushort_as_half(w >> 16)); }
-__device__ __forceinline__ uint32_t bits16(float x, __nv_bfloat16*) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
+__device__ __forceinline__ uint32_t bits16(float x, __nv_bfloat16*) {
+  return __bfloat16_as_ushort(__float2bfloat16(x));
+}
 __device__ __forceinline__ uint32_t bits16(float x, __half*) { return __half_as_ushort(__float2half(x)); }
 __device__ __forceinline__ void load4(const float* p, float* x) {
   const float4 v = *reinterpret_cast<const float4*>(p);
@@ -1017,7 +1024,8 @@ __device__ __forceinline__ void store4(float* p, const float* x) {
 template <class T>
 __device__ __forceinline__ void store4(T* p, const float* x) {
   constexpr T* tag = nullptr;
-  *reinterpret_cast<uint2*>(p) = make_uint2(bits16(x[0], tag) | bits16(x[1], tag) << 16, bits16(x[2], tag) | bits16(x[3], tag) << 16);
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(bits16(x[0], tag) | bits16(x[1], tag) << 16, bits16(x[2], tag) | bits16(x[3], tag) << 16);
 }
 
 /// Key gradients with a diagonal preconditioner, 1 of 3 (per chunk, key head; thread = channel): the
@@ -1304,9 +1312,8 @@ __global__ void __launch_bounds__(kThreads, kKeyApplyBlocks) key_apply_kernel(co
   const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
   load_key_rows(s, ca, bw, p, h, row0);
   __syncthreads();
-  with_key_chunk<Tin>(bw, p, h, [&](auto full) {
-    key_apply_chunk<Tin, decltype(full)::value, PK>(ca, bw, s, sr, p, h, row0, s_red);
-  });
+  with_key_chunk<Tin>(
+      bw, p, h, [&](auto full) { key_apply_chunk<Tin, decltype(full)::value, PK>(ca, bw, s, sr, p, h, row0, s_red); });
   if (PK != kPrecondIdentity) {  // this chunk's part of dcenter (center_grad_kernel sums the chunks' parts)
     __syncthreads();
     for (int w = kThreads / 2; w > 0; w >>= 1) {

@@ -267,7 +267,8 @@ __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int
 /// L2-normalises (SPEC §1) the C staged rows of x in place and multiplies them by `mul`: two
 /// threads per row (128 threads), 64 elements each, 16 bytes at a time. Without the norm only `mul` applies.
 /// With `inv` non-null, row r's inverse norm (1 without the norm) goes to inv[r * inv_stride], r < L.
-template <class Op>
+/// With SCALE false the rows are left as they are (only `inv` is written).
+template <class Op, bool SCALE = true>
 __device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul, float* inv = nullptr,
                                                int64_t inv_stride = 0, int L = 0) {
   static_assert(KP == 128 && C * 2 == kThreads, "two threads per row of 128");
@@ -284,11 +285,13 @@ __device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul, fl
   const float rn = l2norm ? rsqrtf(ss + 1e-6f) : 1.f, f = rn * mul;
   const int r = threadIdx.x >> 1;
   if (inv && (threadIdx.x & 1) == 0 && r < L) inv[r * inv_stride] = rn;
+  if constexpr (SCALE) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[8 * j + i] = from_float<Op>(to_float(v[8 * j + i]) * f);
-    *reinterpret_cast<uint4*>(row + 8 * j) = *reinterpret_cast<const uint4*>(v + 8 * j);
+      for (int i = 0; i < 8; ++i) v[8 * j + i] = from_float<Op>(to_float(v[8 * j + i]) * f);
+      *reinterpret_cast<uint4*>(row + 8 * j) = *reinterpret_cast<const uint4*>(v + 8 * j);
+    }
   }
 }
 
@@ -298,7 +301,7 @@ template <class Tin, class Op>
 __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
   __shared__ __align__(16) Op sK[C * LDK];
-  __shared__ float s_a[C], s_bp[C];
+  __shared__ float s_a[C], s_bp[C], s_rn2[C];
   const int64_t gc = blockIdx.x;
   const int h = blockIdx.y;
   const ChunkPos p = chunk_pos(ca, gc);
@@ -312,14 +315,16 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
     s_bp[tid] = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
   }
   __syncthreads();
-  normalise_rows(sK, a.l2norm, 1.f);
+  normalise_rows<Op, false>(sK, a.l2norm, 1.f, s_rn2, 1, C);  // the rows' inverse norms only
+  __syncthreads();
+  if (tid < p.L) s_rn2[tid] *= s_rn2[tid] * s_bp[tid];  // beta_p / |k|^2 (rows past L are not read)
   __syncthreads();
   const int c = tid;
   float prod = 1.f, sum = 0.f;
   for (int r = 0; r < p.L; ++r) {
-    const float kn = to_float(sK[r * LDK + c]);
+    const float k = to_float(sK[r * LDK + c]);
     prod *= s_a[r];
-    sum = s_a[r] * sum + s_bp[r] * kn * kn;
+    sum = fmaf(s_a[r], sum, s_rn2[r] * k * k);
   }
   ca.sums[(gc * a.H + h) * KP + c] = make_float2(prod, sum);
 }
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   float* sG = reinterpret_cast<float*>(sTh + C * LDC);         // [C][LDG] per-channel gamma (Diagonal decay)
   __half* sXh = diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
   Op* sV = diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
-  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                             // P's staging
+  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                            // P's staging
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
   if (atk_nd) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
   __shared__ float s_gam[C], s_beta[C], s_gp[C], s_bp[C], s_eg[C];
@@ -944,24 +949,46 @@ __device__ __forceinline__ void cp_wait() {
 }
 
 /// Starts the asynchronous copy of `rows` rows of COLS 16-bit elements from global (row stride gld)
-/// to shared memory (row stride sld), 16 bytes per copy.
-template <int COLS, class Op>
+/// to shared memory (row stride sld), 16 bytes per copy. NT > 0: the block's thread count, known at
+/// compile time; each thread then keeps one column and steps its row pointers (no index arithmetic
+/// per copy).
+template <int COLS, int NT = 0, class Op>
 __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
   constexpr int PR = COLS / 8;
-  for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
-    const int r = e / PR, c8 = (e % PR) * 8;
-    cp_async16(dst + r * sld + c8, src + r * gld + c8);
+  if constexpr (NT > 0 && NT % PR == 0) {
+    constexpr int RS = NT / PR;  // rows per pass of the block
+    const int r0 = threadIdx.x / PR, c8 = (threadIdx.x % PR) * 8;
+    const Op* s = src + r0 * gld + c8;
+    Op* d = dst + r0 * sld + c8;
+#pragma unroll 4
+    for (int r = r0; r < rows; r += RS, s += RS * gld, d += RS * sld) cp_async16(d, s);
+  } else {
+    for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+      const int r = e / PR, c8 = (e % PR) * 8;
+      cp_async16(dst + r * sld + c8, src + r * gld + c8);
+    }
   }
 }
 
 /// Copies `rows` rows of COLS 16-bit elements from shared memory (row stride sld) to global memory
-/// (row stride gld), 16 bytes per thread and step, with all the block's threads.
-template <int COLS, class Op>
+/// (row stride gld), 16 bytes per thread and step, with all the block's threads (NT: as for
+/// copy_tile_async).
+template <int COLS, int NT = 0, class Op>
 __device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, int sld, int rows) {
   constexpr int PR = COLS / 8;
-  for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
-    const int r = e / PR, c8 = (e % PR) * 8;
-    *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+  if constexpr (NT > 0 && NT % PR == 0) {
+    constexpr int RS = NT / PR;
+    const int r0 = threadIdx.x / PR, c8 = (threadIdx.x % PR) * 8;
+    Op* d = dst + r0 * gld + c8;
+    const Op* s = src + r0 * sld + c8;
+#pragma unroll 4
+    for (int r = r0; r < rows; r += RS, d += RS * gld, s += RS * sld)
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+  } else {
+    for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+      const int r = e / PR, c8 = (e % PR) * 8;
+      *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+    }
   }
 }
 
@@ -974,6 +1001,7 @@ __device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, 
 template <class Tin, class Op, int VT, int WARPS, bool CKPT>
 __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
+  constexpr int THREADS = WARPS * 32;
   constexpr int LDV = VT + 8;
   constexpr int NT = VT / 8;                    // n-tiles of the state
   constexpr int RW = KP / WARPS, MT = RW / 16;  // state rows and m-tiles per warp
@@ -997,18 +1025,20 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   auto issue = [&](int64_t ci) {
     Op* buf = sBuf + (ci & 1) * BUF;
     const int64_t tile = ((first + ci) * a.HV + hv) * C;
-    if (a.online) copy_tile_async<KP>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
-    copy_tile_async<KP>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
-    copy_tile_async<KP>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
-    copy_tile_async<VT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
-    copy_tile_async<C>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
+    if (a.online) copy_tile_async<KP, THREADS>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
+    copy_tile_async<KP, THREADS>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    copy_tile_async<KP, THREADS>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    copy_tile_async<VT, THREADS>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad,
+                                 C);
+    copy_tile_async<C, THREADS>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
     // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
     if (diag)
-      copy_tile_async<2 * KP>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
-                              reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP, 1);
+      copy_tile_async<2 * KP, THREADS>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
+                                       reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP,
+                                       1);
     else
-      copy_tile_async<2 * C>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C, reinterpret_cast<const Op*>(ca.gam + tile),
-                             2 * C, 1);
+      copy_tile_async<2 * C, THREADS>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
+                                      reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
     cp_commit();
   };
   if (count > 0) issue(0);
@@ -1061,7 +1091,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens (Diagonal: e^gamma_C)
     const float gl = diag ? 0.f : sG[L - 1], gC = __expf(gl);
     const int64_t vtile = ((first + ci) * a.HV + hv) * int64_t(ca.Vpad);  // (chunk, head) tile, in rows of Vpad
-    if (CKPT) store_tile<VT>(static_cast<Op*>(ca.S0) + vtile * KP + v0, ca.Vpad, sS, LDV, KP);
+    if (CKPT) store_tile<VT, THREADS>(static_cast<Op*>(ca.S0) + vtile * KP + v0, ca.Vpad, sS, LDV, KP);
     // R = U - W S and Q S for rows m0 .. m0 + 15.
     float ws[NTW][4], acc_o[NTW][4];
 #pragma unroll
@@ -1109,7 +1139,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         acc_o[nt][e] *= eo[e >> 1], acc_o[nt][e + 1] *= eo[e >> 1];
       }
     __syncthreads();
-    if (CKPT) store_tile<VT>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
+    if (CKPT) store_tile<VT, THREADS>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
       // O += P R.
 #pragma unroll
     for (int k0 = 0; k0 < (want_o ? C : 0); k0 += 16) {
