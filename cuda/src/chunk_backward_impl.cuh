@@ -61,13 +61,13 @@ __device__ __forceinline__ void copy_tile(Op* dst, int64_t sld, const Op* src, i
 }
 
 /// Starts the asynchronous copy of `rows` rows of `cols` 16-bit elements (64 or 128) from global (row
-/// stride gld) to shared memory (row stride sld) with all the block's threads (cp_commit / cp_wait).
-template <class Op>
+/// stride gld) to shared memory (row stride sld) with all the block's NT threads (cp_commit / cp_wait).
+template <int NT, class Op>
 __device__ __forceinline__ void load_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows, int cols) {
   if (cols == 64)
-    copy_tile_async<64>(dst, sld, src, gld, rows);
+    copy_tile_async<64, NT>(dst, sld, src, gld, rows);
   else
-    copy_tile_async<128>(dst, sld, src, gld, rows);
+    copy_tile_async<128, NT>(dst, sld, src, gld, rows);
 }
 
 /// dst[r][:] = f(r) src[r][:] over `rows` rows of COLS 16-bit elements (row stride ld, shared memory;
@@ -109,9 +109,9 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
     s_gam[tid] = ca.gam[head * C + tid];
     s_beta[tid] = gain_of(a, p, tid, hv);
   }
-  load_tile_async(sT2, LDC, static_cast<const Op*>(ca.T2) + head * C * C, C, C, C);
-  load_tile_async(sP, LDC, static_cast<const Op*>(ca.P) + head * C * C, C, C, C);
-  load_tile_async(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
+  load_tile_async<kThreads>(sT2, LDC, static_cast<const Op*>(ca.T2) + head * C * C, C, C, C);
+  load_tile_async<kThreads>(sP, LDC, static_cast<const Op*>(ca.P) + head * C * C, C, C, C);
+  load_tile_async<kThreads>(sKW, LDK, static_cast<const Op*>(ca.KWn) + head * C * KP, KP, C, KP);
   cp_commit();
   const Tin* d_o = static_cast<const Tin*>(bw.d_o) + at3(bw.sdo, p.b, p.t0, hv);
   if (Vp == 64)
@@ -426,15 +426,15 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     s_gam[tid] = ca.gam[head * C + tid];
     s_beta[tid] = gain_of(a, p, tid, hv);
   }
-  load_tile_async(sDO, LDK, static_cast<const Op*>(ca.dO) + head * C * Vp, Vp, C, int(Vp));
-  load_tile_async(sR, LDK, static_cast<const Op*>(ca.Rr) + head * C * Vp, Vp, C, int(Vp));
-  if (online) load_tile_async(sDX, LDK, static_cast<const Op*>(ca.dX) + head * C * Vp, Vp, C, int(Vp));
-  load_tile_async(sS0, LDK, static_cast<const Op*>(ca.S0) + head * KP * Vp, Vp, KP, int(Vp));
-  load_tile_async(sHc, LDK, static_cast<const Op*>(ca.Hc) + head * KP * Vp, Vp, KP, int(Vp));
+  load_tile_async<kGradThreads>(sDO, LDK, static_cast<const Op*>(ca.dO) + head * C * Vp, Vp, C, int(Vp));
+  load_tile_async<kGradThreads>(sR, LDK, static_cast<const Op*>(ca.Rr) + head * C * Vp, Vp, C, int(Vp));
+  if (online) load_tile_async<kGradThreads>(sDX, LDK, static_cast<const Op*>(ca.dX) + head * C * Vp, Vp, C, int(Vp));
+  load_tile_async<kGradThreads>(sS0, LDK, static_cast<const Op*>(ca.S0) + head * KP * Vp, Vp, KP, int(Vp));
+  load_tile_async<kGradThreads>(sHc, LDK, static_cast<const Op*>(ca.Hc) + head * KP * Vp, Vp, KP, int(Vp));
   cp_commit();  // phase 1's tiles; the key tiles load during phase 1
-  load_tile_async(sQr, LDK, static_cast<const Op*>(DIAG ? ca.Qu : ca.Qn) + head * C * KP, KP, C, KP);
-  load_tile_async(sKn, LDK, static_cast<const Op*>(DIAG ? ca.Ku : ca.Kn) + head * C * KP, KP, C, KP);
-  load_tile_async(sKW, LDK, static_cast<const Op*>(DIAG ? ca.KWu : ca.KWn) + head * C * KP, KP, C, KP);
+  load_tile_async<kGradThreads>(sQr, LDK, static_cast<const Op*>(DIAG ? ca.Qu : ca.Qn) + head * C * KP, KP, C, KP);
+  load_tile_async<kGradThreads>(sKn, LDK, static_cast<const Op*>(DIAG ? ca.Ku : ca.Kn) + head * C * KP, KP, C, KP);
+  load_tile_async<kGradThreads>(sKW, LDK, static_cast<const Op*>(DIAG ? ca.KWu : ca.KWn) + head * C * KP, KP, C, KP);
   cp_commit();
   cp_wait<1>();
   __syncthreads();
