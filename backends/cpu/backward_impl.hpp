@@ -94,7 +94,7 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
       if (!squash_vn<G>(a, m, center, log_x, eps, id)) break;  // the vector-by-vector loop takes over
       for (int u = 0; u < G; ++u) {
         vstore(M + i + u * L, m[u]);
-        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) / (a[u] + eps));
+        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) * recip_v(a[u] + eps));
       }
     }
     for (; i < n; i += L) {
@@ -106,7 +106,7 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
         const VF u = (-log_x * r) * iden;
         const VF m = std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);
         vstore(M + i, m);
-        vstore(D + i, m * -log_x * (iden * iden) / ae);
+        vstore(D + i, m * -log_x * (iden * iden) * recip_v(ae));
       } else {
         for (int l = 0; l < L; ++l) M[i + l] = squash_grad1(A[i + l], center, log_x, eps, D + i + l);
       }
