@@ -21,15 +21,17 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
+// The GEMM register block: kMR rows by kNV vectors of accumulators (AVX-512: 24 of 32 registers,
+// AVX2: 12 of 16).
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64;
-constexpr int kMR = 8;  // rows of the GEMM register block (2 vectors wide): 16 of 32 registers
+constexpr int kMR = 6, kNV = 4;
 #elif defined(__AVX2__)
 constexpr int kVecBytes = 32;
-constexpr int kMR = 6;  // 12 of 16 registers
+constexpr int kMR = 6, kNV = 2;
 #else
 constexpr int kVecBytes = 16;
-constexpr int kMR = 6;
+constexpr int kMR = 6, kNV = 2;
 #endif
 
 /// The ISA's vector of T, aligned and unaligned (may_alias) flavours.
@@ -479,28 +481,35 @@ inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, i
 /// block i0.. needs k < i0 + rows); or only C's lower triangle wanted (C[i][j] for j <= i).
 enum class Tri { none, a_lower, c_lower };
 
-/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of 2 (or 1) vectors, row
-/// blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and `skip(i0, mr, j0)`
-/// a block to leave out. AT: A is stored k-major (A^T[r][k] at A[k * lda + r]).
+/// gemm_rows for a panel of nv <= NV vectors (nv chosen at run time).
+template <class T, bool AT, int NV = kNV>
+inline void gemm_panel(int nv, int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+                       int64_t ldc, bool acc) {
+  if constexpr (NV >= 1) {
+    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc);
+  }
+}
+
+/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of up to `nv_max` (<= kNV)
+/// vectors, row blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and
+/// `skip(i0, mr, j0)` a block to leave out (narrower panels skip more of a triangle). AT: A is stored
+/// k-major (A^T[r][k] at A[k * lda + r]).
 template <class T, bool AT, class KRange, class Skip>
 void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                Trickle<T>* tr, KRange&& krange, Skip&& skip) {
+                Trickle<T>* tr, int nv_max, KRange&& krange, Skip&& skip) {
   constexpr int L = Vec<T>::L;
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
-    const bool two = j0 + 2 * L <= n;
+  for (int64_t j0 = 0; j0 < n;) {
+    const int nv = int(imin(nv_max, (n - j0) / L));
     for (int64_t i0 = 0; i0 < m; i0 += kMR) {
       const int mr = int(imin(kMR, m - i0));
       if (skip(i0, mr, j0)) continue;
       if (tr) tr->step();
       const auto [k0, k1] = krange(i0, mr);
       const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
-      const T* bb = B + k0 * ldb + j0;
-      T* cc = C + i0 * ldc + j0;
-      if (two)
-        gemm_rows<T, 2, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
-      else
-        gemm_rows<T, 1, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
+      gemm_panel<T, AT>(nv, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc);
     }
+    j0 += int64_t(nv) * L;
   }
 }
 
@@ -509,7 +518,7 @@ template <class T>
 void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
           bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
   gemm_sweep<T, false>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      m, n, A, lda, B, ldb, C, ldc, acc, tr, tri == Tri::c_lower ? 2 : kNV,
       [&](int64_t i0, int mr) { return std::pair<int64_t, int64_t>{0, tri == Tri::a_lower ? imin(kd, i0 + mr) : kd}; },
       [&](int64_t i0, int mr, int64_t j0) { return tri == Tri::c_lower && j0 >= i0 + mr; });
 }
@@ -521,7 +530,7 @@ template <class T>
 void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
              bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
   gemm_sweep<T, true>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      m, n, A, lda, B, ldb, C, ldc, acc, tr, kNV,
       [&](int64_t i0, int) { return std::pair<int64_t, int64_t>{upper ? i0 : 0, kd}; },
       [](int64_t, int, int64_t) { return false; });
 }
