@@ -823,15 +823,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
             dbet[i];
     // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
     // Qd and Kd are adjacent whole chunks, as dO and dX are).
-    if (decays)
-      for (int64_t ch = 0; ch < K; ++ch)
-        for (int64_t e = 0; e < Vp; ++e) dS[ch * ldv + e] *= eC[ch];
+    // (The decay Diag(e^{gamma_C}) applied by the product.)
     if (online)
       for (int64_t i = 0; i < c * ldv; ++i) dX[i] = -dX[i];
+    const T* ds_scale = decays ? eC : nullptr;
     if (online && c == Cp && C == Cp && Kd == Qd + Cp * Kp) {
-      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr);
+      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr, ds_scale);
     } else {
-      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr);
+      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr, ds_scale);
       if (online) gemm_at(K, Vp, c, Kd, Kp, dX, ldv, dS, ldv, true, false, &tr);
     }
     steps = tr.steps();
@@ -874,10 +873,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         for (int64_t ch = K; ch < Kp; ++ch) st[e * ldk + ch] = 0;
         for (int64_t i = c; i < Cp; ++i) rt[e * ldr + i] = 0;
       }
-      if (decays)
-        for (int64_t ch = 0; ch < K; ++ch)
-          for (int64_t e = 0; e < Vp; ++e) S[ch * ldv + e] *= eC[ch];
-      gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true);
+      gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, static_cast<Trickle<T>*>(nullptr),
+           decays ? eC : nullptr);  // S_out = Diag(e^{gamma_C}) S_in + KWdT R
     }
 
     init_ds(hv);

@@ -448,14 +448,17 @@ class Trickle {
 // GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
 
 // AT: A given transposed (k-major, A^T[r][k] at A[k * lda + r]); the same register block, its row
-// operands broadcast from consecutive elements.
+// operands broadcast from consecutive elements. `rs` (with acc): C's rows scaled first, C[r] = rs[r] C[r]
+// + (A B)[r] (a state's decay folded into its update, without a pass of its own over C).
 template <class T, int MR, int NV, bool AT = false>
-inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
+inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
+                       const T* rs) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   V c[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * L) : V{};
+    for (int v = 0; v < NV; ++v)
+      c[r][v] = acc ? (rs ? rs[r] * vload(C + r * ldc + v * L) : vload(C + r * ldc + v * L)) : V{};
   for (int64_t k = 0; k < kd; ++k) {
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
@@ -470,10 +473,10 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
 
 template <class T, int NV, int MR = kMR, bool AT = false>
 inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-                      bool acc) {
+                      bool acc, const T* rs) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc);
-    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc, rs);
+    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
   }
 }
 
@@ -484,20 +487,20 @@ enum class Tri { none, a_lower, c_lower };
 /// gemm_rows for a panel of nv <= NV vectors (nv chosen at run time).
 template <class T, bool AT, int NV = kNV>
 inline void gemm_panel(int nv, int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
-                       int64_t ldc, bool acc) {
+                       int64_t ldc, bool acc, const T* rs) {
   if constexpr (NV >= 1) {
-    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
-    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc);
+    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
+    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
   }
 }
 
 /// The register-block sweep shared by `gemm` and `gemm_at`: column panels of up to `nv_max` (<= kNV)
 /// vectors, row blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and
 /// `skip(i0, mr, j0)` a block to leave out (narrower panels skip more of a triangle). AT: A is stored
-/// k-major (A^T[r][k] at A[k * lda + r]).
+/// k-major (A^T[r][k] at A[k * lda + r]). `rs`: C's row scales (see gemm_block), or null.
 template <class T, bool AT, class KRange, class Skip>
 void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                Trickle<T>* tr, int nv_max, KRange&& krange, Skip&& skip) {
+                const T* rs, Trickle<T>* tr, int nv_max, KRange&& krange, Skip&& skip) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n;) {
     const int nv = int(imin(nv_max, (n - j0) / L));
@@ -507,30 +510,32 @@ void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64
       if (tr) tr->step();
       const auto [k0, k1] = krange(i0, mr);
       const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
-      gemm_panel<T, AT>(nv, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc);
+      gemm_panel<T, AT>(nv, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc,
+                        rs ? rs + i0 : nullptr);
     }
     j0 += int64_t(nv) * L;
   }
 }
 
-/// `tr`, when given, gets one step() per register block (Trickle).
+/// `tr`, when given, gets one step() per register block (Trickle); `rs`, with acc, scales C's rows first
+/// (C = Diag(rs) C + A B).
 template <class T>
 void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
+          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, false>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr, tri == Tri::c_lower ? 2 : kNV,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr, tri == Tri::c_lower ? 2 : kNV,
       [&](int64_t i0, int mr) { return std::pair<int64_t, int64_t>{0, tri == Tri::a_lower ? imin(kd, i0 + mr) : kd}; },
       [&](int64_t i0, int mr, int64_t j0) { return tri == Tri::c_lower && j0 >= i0 + mr; });
 }
 
 /// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
 /// of A first (the register block broadcasts A^T's rows from consecutive elements). `upper`: A^T is
-/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0.
+/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0. `tr`, `rs`: as `gemm`.
 template <class T>
 void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-             bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
+             bool acc, bool upper = false, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, true>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr, kNV,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr, kNV,
       [&](int64_t i0, int) { return std::pair<int64_t, int64_t>{upper ? i0 : 0, kd}; },
       [](int64_t, int, int64_t) { return false; });
 }
@@ -1403,20 +1408,16 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
     // 7. O = Qd S_in + (Aqk ⊙ causal) R.
     gemm(c, Vp, c, Aqk, Cp, R, ldv, O, ldv, true, Tri::a_lower, &tr);
     for (int64_t i = 0; i < c; ++i) store_cvt(O + i * ldv, Vd, s.orow(b, t0 + cs + i, hv) + v0);
-    // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
+    // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R (the decay applied by the product, tmp = e^{gamma_C}).
     tr.drain(job_s);  // S_in is in the cache before S changes
     if (diag) {
       for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(gl + ch));
       exp_inplace(tmp, Kp);
-      for (int64_t ch = 0; ch < K; ++ch) {
-        const V f = vsplat(tmp[ch]);
-        for (int64_t e = 0; e < Vp; e += L) vstore(S + ch * ldv + e, f * vload(S + ch * ldv + e));
-      }
     } else if (s.decay == decay::Kind::scalar) {
       const V f = vsplat(std::exp(Gam[c - 1]));
-      for (int64_t i = 0; i < K * ldv; i += L) vstore(S + i, f * vload(S + i));
+      for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, f);
     }
-    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, &tr);
+    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, &tr, s.decay == decay::Kind::none ? nullptr : tmp);
     steps = tr.steps();
     tr.drain_all();
   };
