@@ -494,23 +494,23 @@ inline void gemm_panel(int nv, int mr, int64_t kd, const T* A, int64_t lda, cons
   }
 }
 
-/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of up to `nv_max` (<= kNV)
-/// vectors, row blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and
-/// `skip(i0, mr, j0)` a block to leave out (narrower panels skip more of a triangle). AT: A is stored
-/// k-major (A^T[r][k] at A[k * lda + r]). `rs`: C's row scales (see gemm_block), or null.
-template <class T, bool AT, class KRange, class Skip>
+/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of kNV vectors, row blocks
+/// of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs, and `cols(i0, mr, j0, nv)` how
+/// many of the panel's nv vectors (from column j0 on) it needs (0: none, the block is skipped). AT: A is
+/// stored k-major (A^T[r][k] at A[k * lda + r]). `rs`: C's row scales (see gemm_block), or null.
+template <class T, bool AT, class KRange, class Cols>
 void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                const T* rs, Trickle<T>* tr, int nv_max, KRange&& krange, Skip&& skip) {
+                const T* rs, Trickle<T>* tr, KRange&& krange, Cols&& cols) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n;) {
-    const int nv = int(imin(nv_max, (n - j0) / L));
+    const int nv = int(imin(kNV, (n - j0) / L));
     for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int mr = int(imin(kMR, m - i0));
-      if (skip(i0, mr, j0)) continue;
+      const int mr = int(imin(kMR, m - i0)), nb = cols(i0, mr, j0, nv);
+      if (nb <= 0) continue;
       if (tr) tr->step();
       const auto [k0, k1] = krange(i0, mr);
       const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
-      gemm_panel<T, AT>(nv, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc,
+      gemm_panel<T, AT>(nb, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc,
                         rs ? rs + i0 : nullptr);
     }
     j0 += int64_t(nv) * L;
@@ -523,9 +523,12 @@ template <class T>
 void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
           bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, false>(
-      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr, tri == Tri::c_lower ? 2 : kNV,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr,
       [&](int64_t i0, int mr) { return std::pair<int64_t, int64_t>{0, tri == Tri::a_lower ? imin(kd, i0 + mr) : kd}; },
-      [&](int64_t i0, int mr, int64_t j0) { return tri == Tri::c_lower && j0 >= i0 + mr; });
+      [&](int64_t i0, int mr, int64_t j0, int nv) {  // c_lower: the vectors reaching column i0 + mr - 1
+        constexpr int L = Vec<T>::L;
+        return tri == Tri::c_lower ? int(imin(nv, (i0 + mr - j0 + L - 1) / L)) : nv;
+      });
 }
 
 /// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
@@ -535,9 +538,9 @@ template <class T>
 void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
              bool acc, bool upper = false, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, true>(
-      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr, kNV,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr,
       [&](int64_t i0, int) { return std::pair<int64_t, int64_t>{upper ? i0 : 0, kd}; },
-      [](int64_t, int, int64_t) { return false; });
+      [](int64_t, int, int64_t, int nv) { return nv; });
 }
 
 // ---------------------------------------------------------------------------------------------
