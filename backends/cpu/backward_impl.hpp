@@ -822,8 +822,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
             dbet[i];
     // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
-    // Qd and Kd are adjacent whole chunks, as dO and dX are).
-    // (The decay Diag(e^{gamma_C}) applied by the product.)
+    // Qd and Kd are adjacent whole chunks, as dO and dX are; the decay applied by its row scales).
     if (online)
       for (int64_t i = 0; i < c * ldv; ++i) dX[i] = -dX[i];
     const T* ds_scale = decays ? eC : nullptr;
