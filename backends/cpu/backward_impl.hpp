@@ -94,7 +94,7 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
       if (!squash_vn<G>(a, m, center, log_x, eps, id)) break;  // the vector-by-vector loop takes over
       for (int u = 0; u < G; ++u) {
         vstore(M + i + u * L, m[u]);
-        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) / (a[u] + eps));
+        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) * recip_v(a[u] + eps));
       }
     }
     for (; i < n; i += L) {
@@ -106,7 +106,7 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
         const VF u = (-log_x * r) * iden;
         const VF m = std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);
         vstore(M + i, m);
-        vstore(D + i, m * -log_x * (iden * iden) / ae);
+        vstore(D + i, m * -log_x * (iden * iden) * recip_v(ae));
       } else {
         for (int l = 0; l < L; ++l) M[i + l] = squash_grad1(A[i + l], center, log_x, eps, D + i + l);
       }
@@ -822,16 +822,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
             dbet[i];
     // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
-    // Qd and Kd are adjacent whole chunks, as dO and dX are).
-    if (decays)
-      for (int64_t ch = 0; ch < K; ++ch)
-        for (int64_t e = 0; e < Vp; ++e) dS[ch * ldv + e] *= eC[ch];
+    // Qd and Kd are adjacent whole chunks, as dO and dX are; the decay applied by its row scales).
     if (online)
       for (int64_t i = 0; i < c * ldv; ++i) dX[i] = -dX[i];
+    const T* ds_scale = decays ? eC : nullptr;
     if (online && c == Cp && C == Cp && Kd == Qd + Cp * Kp) {
-      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr);
+      gemm_at(K, Vp, C2, Qd, Kp, dOX, ldv, dS, ldv, true, false, &tr, ds_scale);
     } else {
-      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr);
+      gemm_at(K, Vp, c, Qd, Kp, dO, ldv, dS, ldv, true, false, &tr, ds_scale);
       if (online) gemm_at(K, Vp, c, Kd, Kp, dX, ldv, dS, ldv, true, false, &tr);
     }
     steps = tr.steps();
@@ -874,10 +872,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         for (int64_t ch = K; ch < Kp; ++ch) st[e * ldk + ch] = 0;
         for (int64_t i = c; i < Cp; ++i) rt[e * ldr + i] = 0;
       }
-      if (decays)
-        for (int64_t ch = 0; ch < K; ++ch)
-          for (int64_t e = 0; e < Vp; ++e) S[ch * ldv + e] *= eC[ch];
-      gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true);
+      gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, static_cast<Trickle<T>*>(nullptr),
+           decays ? eC : nullptr);  // S_out = Diag(e^{gamma_C}) S_in + KWdT R
     }
 
     init_ds(hv);

@@ -21,15 +21,17 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
+// The GEMM register block: kMR rows by kNV vectors of accumulators (AVX-512: 24 of 32 registers,
+// AVX2: 12 of 16).
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64;
-constexpr int kMR = 8;  // rows of the GEMM register block (2 vectors wide): 16 of 32 registers
+constexpr int kMR = 6, kNV = 4;
 #elif defined(__AVX2__)
 constexpr int kVecBytes = 32;
-constexpr int kMR = 6;  // 12 of 16 registers
+constexpr int kMR = 6, kNV = 2;
 #else
 constexpr int kVecBytes = 16;
-constexpr int kMR = 6;
+constexpr int kMR = 6, kNV = 2;
 #endif
 
 /// The ISA's vector of T, aligned and unaligned (may_alias) flavours.
@@ -90,10 +92,48 @@ inline VF exp_v(VF x) {
 }
 
 /// Natural log for x >= FLT_MIN (normal, positive) of N vectors, stage by stage across the N so that
-/// their dependency chains interleave (the squash's log is on a latency-bound chain). The minimax
-/// polynomial is in Estrin's form (dependency depth 4 instead of Horner's 9).
+/// their dependency chains interleave (the squash's log is on a latency-bound chain).
+/// AVX-512: x = 2^e m with m in [1, 2) (getexp, getmant); the top 4 bits of m's fraction pick c_j =
+/// 1 + (j + 1/2) / 16 from 16-entry tables held in a register each (vpermps), and log x = e log 2 +
+/// log c_j + log1p(y), y = m / c_j - 1 in [-1/33, 1/33], log1p by its Taylor polynomial to y^5
+/// (truncation below 2e-10; the float tables keep the absolute error below about 4e-8, 12
+/// instructions a vector). Other ISAs: Cephes' range reduction and minimax polynomial in Estrin's
+/// form (dependency depth 4 instead of Horner's 9), about 1 ulp.
 template <int N>
 inline void log_vn(const VF* x, VF* out) {
+#if defined(__AVX512F__)
+  // 1 / c_j rounded to float, and log c_j = -log of that float (so that y below is m / c_j - 1 exactly
+  // up to one rounding).
+  alignas(64) static constexpr float kInvC[16] = {
+      0.9696969985961914f, 0.9142857193946838f, 0.8648648858070374f, 0.8205128312110901f,
+      0.7804877758026123f, 0.7441860437393188f, 0.7111111283302307f, 0.6808510422706604f,
+      0.6530612111091614f, 0.6274510025978088f, 0.6037735939025879f, 0.581818163394928f,
+      0.5614035129547119f, 0.5423728823661804f, 0.5245901346206665f, 0.5079365372657776f};
+  alignas(64) static constexpr float kLogC[16] = {
+      0.03077162802219391f, 0.08961215615272522f, 0.14518198370933533f, 0.19782572984695435f,
+      0.24783620238304138f, 0.2954642176628113f,  0.34092655777931213f, 0.3844117224216461f,
+      0.42608442902565f,    0.4660896956920624f,  0.5045560002326965f,  0.541597306728363f,
+      0.5773153305053711f,  0.6118015646934509f,  0.6451380252838135f,  0.6773987412452698f};
+  // (The maskz forms: the unmasked intrinsics of GCC 12 trip -Wmaybe-uninitialized.)
+  constexpr __mmask16 all = 0xffff;
+  const __m512 inv_c = (__m512)vload(kInvC), log_c = (__m512)vload(kLogC);
+  VF y[N], t[N];
+  for (int n = 0; n < N; ++n) {
+    const __m512 xv = (__m512)x[n];
+    const __m512i j = (__m512i)((VI)x[n] >> 19);  // x > 0; vpermps reads the index's low 4 bits
+    const VF m = (VF)_mm512_maskz_getmant_ps(all, xv, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    y[n] = m * (VF)_mm512_maskz_permutexvar_ps(all, j, inv_c) - 1.0f;
+    t[n] = (VF)_mm512_maskz_getexp_ps(all, xv) * 0.693147180559945309f +
+           (VF)_mm512_maskz_permutexvar_ps(all, j, log_c);
+  }
+  for (int n = 0; n < N; ++n) {
+    VF q = y[n] * 0.2f - 0.25f;
+    q = q * y[n] + (1.0f / 3);
+    q = q * y[n] - 0.5f;
+    q = q * y[n] + 1.0f;
+    out[n] = q * y[n] + t[n];
+  }
+#else
   VF m[N], ef[N], z[N], y[N];
   for (int n = 0; n < N; ++n) {  // x = 2^e m, m in [sqrt(1/2), sqrt(2))
     const VI bits = (VI)x[n];
@@ -119,6 +159,7 @@ inline void log_vn(const VF* x, VF* out) {
     t = t - 0.5f * z[n];
     out[n] = m[n] + t + ef[n] * 0.693359375f;
   }
+#endif
 }
 
 /// Natural log for x >= FLT_MIN (normal, positive).
@@ -160,7 +201,8 @@ inline bool all_lanes(VI m) {
 #endif
 }
 
-/// 1 / d for d >= 1: the hardware reciprocal estimate and one Newton step (about 1e-7 relative).
+/// 1 / d for normal d below 2^126: the hardware reciprocal estimate and one Newton step (about 1e-7
+/// relative).
 inline VF recip_v(VF d) {
 #if defined(__AVX512F__)
   const VF y = (VF)_mm512_maskz_rcp14_ps(__mmask16(0xffff), (__m512)d);  // (rcp14_ps trips -Wmaybe-uninitialized)
@@ -406,14 +448,17 @@ class Trickle {
 // GEMM: C[m x n] (+)= A[m x kd] B[kd x n], row-major, n a multiple of the vector length.
 
 // AT: A given transposed (k-major, A^T[r][k] at A[k * lda + r]); the same register block, its row
-// operands broadcast from consecutive elements.
+// operands broadcast from consecutive elements. `rs` (with acc): C's rows scaled first, C[r] = rs[r] C[r]
+// + (A B)[r] (a state's decay folded into its update, without a pass of its own over C).
 template <class T, int MR, int NV, bool AT = false>
-inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc) {
+inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
+                       const T* rs) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   V c[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vload(C + r * ldc + v * L) : V{};
+    for (int v = 0; v < NV; ++v)
+      c[r][v] = acc ? (rs ? rs[r] * vload(C + r * ldc + v * L) : vload(C + r * ldc + v * L)) : V{};
   for (int64_t k = 0; k < kd; ++k) {
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
@@ -428,10 +473,10 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
 
 template <class T, int NV, int MR = kMR, bool AT = false>
 inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-                      bool acc) {
+                      bool acc, const T* rs) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc);
-    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc);
+    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc, rs);
+    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
   }
 }
 
@@ -439,51 +484,63 @@ inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, i
 /// block i0.. needs k < i0 + rows); or only C's lower triangle wanted (C[i][j] for j <= i).
 enum class Tri { none, a_lower, c_lower };
 
-/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of 2 (or 1) vectors, row
-/// blocks of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs and `skip(i0, mr, j0)`
-/// a block to leave out. AT: A is stored k-major (A^T[r][k] at A[k * lda + r]).
-template <class T, bool AT, class KRange, class Skip>
-void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                Trickle<T>* tr, KRange&& krange, Skip&& skip) {
-  constexpr int L = Vec<T>::L;
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * L) {
-    const bool two = j0 + 2 * L <= n;
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int mr = int(imin(kMR, m - i0));
-      if (skip(i0, mr, j0)) continue;
-      if (tr) tr->step();
-      const auto [k0, k1] = krange(i0, mr);
-      const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
-      const T* bb = B + k0 * ldb + j0;
-      T* cc = C + i0 * ldc + j0;
-      if (two)
-        gemm_rows<T, 2, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
-      else
-        gemm_rows<T, 1, kMR, AT>(mr, k1 - k0, a, lda, bb, ldb, cc, ldc, acc);
-    }
+/// gemm_rows for a panel of nv <= NV vectors (nv chosen at run time).
+template <class T, bool AT, int NV = kNV>
+inline void gemm_panel(int nv, int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+                       int64_t ldc, bool acc, const T* rs) {
+  if constexpr (NV >= 1) {
+    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
+    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
   }
 }
 
-/// `tr`, when given, gets one step() per register block (Trickle).
+/// The register-block sweep shared by `gemm` and `gemm_at`: column panels of kNV vectors, row blocks
+/// of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs, and `cols(i0, mr, j0, nv)` how
+/// many of the panel's nv vectors (from column j0 on) it needs (0: none, the block is skipped). AT: A is
+/// stored k-major (A^T[r][k] at A[k * lda + r]). `rs`: C's row scales (see gemm_block), or null.
+template <class T, bool AT, class KRange, class Cols>
+void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
+                const T* rs, Trickle<T>* tr, KRange&& krange, Cols&& cols) {
+  constexpr int L = Vec<T>::L;
+  for (int64_t j0 = 0; j0 < n;) {
+    const int nv = int(imin(kNV, (n - j0) / L));
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int mr = int(imin(kMR, m - i0)), nb = cols(i0, mr, j0, nv);
+      if (nb <= 0) continue;
+      if (tr) tr->step();
+      const auto [k0, k1] = krange(i0, mr);
+      const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
+      gemm_panel<T, AT>(nb, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc,
+                        rs ? rs + i0 : nullptr);
+    }
+    j0 += int64_t(nv) * L;
+  }
+}
+
+/// `tr`, when given, gets one step() per register block (Trickle); `rs`, with acc, scales C's rows first
+/// (C = Diag(rs) C + A B).
 template <class T>
 void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr) {
+          bool acc, Tri tri = Tri::none, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, false>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr,
       [&](int64_t i0, int mr) { return std::pair<int64_t, int64_t>{0, tri == Tri::a_lower ? imin(kd, i0 + mr) : kd}; },
-      [&](int64_t i0, int mr, int64_t j0) { return tri == Tri::c_lower && j0 >= i0 + mr; });
+      [&](int64_t i0, int mr, int64_t j0, int nv) {  // c_lower: the vectors reaching column i0 + mr - 1
+        constexpr int L = Vec<T>::L;
+        return tri == Tri::c_lower ? int(imin(nv, (i0 + mr - j0 + L - 1) / L)) : nv;
+      });
 }
 
 /// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
 /// of A first (the register block broadcasts A^T's rows from consecutive elements). `upper`: A^T is
-/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0.
+/// upper-triangular (A[k][i] = 0 for k < i), so row block i0.. starts at k = i0. `tr`, `rs`: as `gemm`.
 template <class T>
 void gemm_at(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-             bool acc, bool upper = false, Trickle<T>* tr = nullptr) {
+             bool acc, bool upper = false, Trickle<T>* tr = nullptr, const T* rs = nullptr) {
   gemm_sweep<T, true>(
-      m, n, A, lda, B, ldb, C, ldc, acc, tr,
+      m, n, A, lda, B, ldb, C, ldc, acc, rs, tr,
       [&](int64_t i0, int) { return std::pair<int64_t, int64_t>{upper ? i0 : 0, kd}; },
-      [](int64_t, int, int64_t) { return false; });
+      [](int64_t, int, int64_t, int nv) { return nv; });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1354,20 +1411,16 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
     // 7. O = Qd S_in + (Aqk ⊙ causal) R.
     gemm(c, Vp, c, Aqk, Cp, R, ldv, O, ldv, true, Tri::a_lower, &tr);
     for (int64_t i = 0; i < c; ++i) store_cvt(O + i * ldv, Vd, s.orow(b, t0 + cs + i, hv) + v0);
-    // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R.
+    // 8. S_out = Diag(e^{gamma_C}) S_in + KWdT R (the decay applied by the product, tmp = e^{gamma_C}).
     tr.drain(job_s);  // S_in is in the cache before S changes
     if (diag) {
       for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, vload(gl + ch));
       exp_inplace(tmp, Kp);
-      for (int64_t ch = 0; ch < K; ++ch) {
-        const V f = vsplat(tmp[ch]);
-        for (int64_t e = 0; e < Vp; e += L) vstore(S + ch * ldv + e, f * vload(S + ch * ldv + e));
-      }
     } else if (s.decay == decay::Kind::scalar) {
       const V f = vsplat(std::exp(Gam[c - 1]));
-      for (int64_t i = 0; i < K * ldv; i += L) vstore(S + i, f * vload(S + i));
+      for (int64_t ch = 0; ch < Kp; ch += L) vstore(tmp + ch, f);
     }
-    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, &tr);
+    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, &tr, s.decay == decay::Kind::none ? nullptr : tmp);
     steps = tr.steps();
     tr.drain_all();
   };
