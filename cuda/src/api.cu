@@ -191,18 +191,17 @@ cudaError_t launch_chunk_typed(const kernels::ChunkArgs& c, cudaStream_t s, cons
   return kernels::launch_chunkwise<Tin>(c, s, impl);
 }
 
-/// 16-byte row loads: aligned base, every stride and the row length a multiple of 8 elements.
-bool vec_rows(const Tensor& t, int64_t d) {
-  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
-         t.stride[2] % 8 == 0 && d % 8 == 0;
+/// Whether t's base is aligned to `bytes` and every stride is a multiple of `elems` elements.
+bool aligned_rows(const Tensor& t, size_t bytes, int64_t elems) {
+  return reinterpret_cast<uintptr_t>(t.data) % bytes == 0 && t.stride[0] % elems == 0 && t.stride[1] % elems == 0 &&
+         t.stride[2] % elems == 0;
 }
 
+/// 16-byte row loads: aligned base, every stride and the row length a multiple of 8 elements.
+bool vec_rows(const Tensor& t, int64_t d) { return aligned_rows(t, 16, 8) && d % 8 == 0; }
+
 /// Two-element writes: base aligned to two elements of `d` and every stride even.
-bool pair_rows(const Tensor& t, DType d) {
-  const size_t elem = d == DType::f32 ? 4 : 2;
-  return reinterpret_cast<uintptr_t>(t.data) % (2 * elem) == 0 && t.stride[0] % 2 == 0 && t.stride[1] % 2 == 0 &&
-         t.stride[2] % 2 == 0;
-}
+bool pair_rows(const Tensor& t, DType d) { return aligned_rows(t, d == DType::f32 ? 8 : 4, 2); }
 
 /// The chunkwise kernels' arguments of call `p` (workspace pointers unset).
 kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {

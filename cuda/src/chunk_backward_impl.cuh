@@ -451,6 +451,19 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
 #pragma unroll
     for (int e = 0; e < 4; ++e) x1[t][e] = x2[t][e] = x3[t][e] = 0.f;
   const int ca0 = 8 * NA * hf, ck0 = 8 * NK * hf;
+  // f(hr, i, nt, e, c) for each of this thread's elements e of the X1 .. X3 accumulator tiles nt:
+  // row i (hr: its upper or lower half of the 16 rows), key channel c.
+  auto each_x = [&](auto&& f) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int nt = 0; nt < NK; ++nt)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * hr + u;
+          f(hr, acc_row(m0, e), nt, e, acc_col(ck0 + 8 * nt, e));
+        }
+  };
 #pragma unroll 1
   for (int k0 = 0; k0 < Vp; k0 += 16) {
     uint32_t fo[4], fx[4], fr[4];
@@ -553,27 +566,19 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     float bs[NK][2];
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt) bs[nt][0] = bs[nt][1] = 0.f;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int i = acc_row(m0, 2 * hr);
-#pragma unroll
-      for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
-          const float gC = sG[(C - 1) * LDG + c], es = __expf(sG[m0 * LDG + c]);
-          x1[nt][e] *= es;
-          x2[nt][e] *= -es;
-          if (i == L - 1) s_last[c] = x3[nt][e];
-          if (i < L - 1) {
-            bs[nt][u] =
-                fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][u]);
-            x3[nt][e] *= __expf(gC - sG[(m0 + 15) * LDG + c]);
-          } else {
-            x3[nt][e] = 0.f;
-          }
-        }
-    }
+    each_x([&](int, int i, int nt, int e, int c) {
+      const float gC = sG[(C - 1) * LDG + c], es = __expf(sG[m0 * LDG + c]);
+      x1[nt][e] *= es;
+      x2[nt][e] *= -es;
+      if (i == L - 1) s_last[c] = x3[nt][e];
+      if (i < L - 1) {
+        bs[nt][e & 1] =
+            fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][e & 1]);
+        x3[nt][e] *= __expf(gC - sG[(m0 + 15) * LDG + c]);
+      } else {
+        x3[nt][e] = 0.f;
+      }
+    });
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt)
 #pragma unroll
@@ -586,27 +591,23 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   } else {
     // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
     // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
-    float rho[2] = {0.f, 0.f};
+    float rho[2] = {0.f, 0.f}, eg[2], ed[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int i = acc_row(m0, 2 * hr);
-      const float eg = __expf(s_gam[i]), ed = i < L ? __expf(gL - s_gam[i]) : 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
-          x1[nt][e] *= eg;
-          x2[nt][e] *= -eg;
-          x3[nt][e] *= ed;
-          if (i == L - 1) {
-            s_last[c] = x3[nt][e];
-            x3[nt][e] = 0.f;
-          } else {
-            rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
-          }
-        }
+      eg[hr] = __expf(s_gam[i]), ed[hr] = i < L ? __expf(gL - s_gam[i]) : 0.f;
     }
+    each_x([&](int hr, int i, int nt, int e, int c) {
+      x1[nt][e] *= eg[hr];
+      x2[nt][e] *= -eg[hr];
+      x3[nt][e] *= ed[hr];
+      if (i == L - 1) {
+        s_last[c] = x3[nt][e];
+        x3[nt][e] = 0.f;
+      } else {
+        rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
+      }
+    });
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float x = quad_sum(rho[hr]);
@@ -679,32 +680,24 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   }
   if constexpr (DIAG) {
     // The row factors, then (strong decay) the diagonal block elementwise from the undecayed tiles.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int i = acc_row(m0, 2 * hr);
-#pragma unroll
-      for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
-          const float gi = sG[i * LDG + c];
-          const float us = __expf(gi - sG[m0 * LDG + c]);
-          x1[nt][e] *= us;
-          x2[nt][e] *= us;
-          x3[nt][e] *= __expf(sG[(m0 + 15) * LDG + c] - gi);
-          if (dfast) continue;
-          for (int j = m0; j < i; ++j) {
-            const float f = __expf(gi - sG[j * LDG + c]) * s_beta[j] * to_float(sKW[j * LDK + c]);
-            x1[nt][e] = fmaf(to_float(sMq[i * LDC + j]), f, x1[nt][e]);
-            if (online) x2[nt][e] = fmaf(to_float(sMr[i * LDC + j]), f, x2[nt][e]);
-          }
-          for (int l = i + 1; l < m0 + 16; ++l) {
-            float y = to_float(sMq[l * LDC + i]) * to_float(sQr[l * LDK + c]);
-            if (online) y = fmaf(to_float(sMr[l * LDC + i]), to_float(sKn[l * LDK + c]), y);
-            x3[nt][e] = fmaf(y, __expf(sG[l * LDG + c] - gi), x3[nt][e]);
-          }
-        }
-    }
+    each_x([&](int, int i, int nt, int e, int c) {
+      const float gi = sG[i * LDG + c];
+      const float us = __expf(gi - sG[m0 * LDG + c]);
+      x1[nt][e] *= us;
+      x2[nt][e] *= us;
+      x3[nt][e] *= __expf(sG[(m0 + 15) * LDG + c] - gi);
+      if (dfast) return;
+      for (int j = m0; j < i; ++j) {
+        const float f = __expf(gi - sG[j * LDG + c]) * s_beta[j] * to_float(sKW[j * LDK + c]);
+        x1[nt][e] = fmaf(to_float(sMq[i * LDC + j]), f, x1[nt][e]);
+        if (online) x2[nt][e] = fmaf(to_float(sMr[i * LDC + j]), f, x2[nt][e]);
+      }
+      for (int l = i + 1; l < m0 + 16; ++l) {
+        float y = to_float(sMq[l * LDC + i]) * to_float(sQr[l * LDK + c]);
+        if (online) y = fmaf(to_float(sMr[l * LDC + i]), to_float(sKn[l * LDK + c]), y);
+        x3[nt][e] = fmaf(y, __expf(sG[l * LDG + c] - gi), x3[nt][e]);
+      }
+    });
     __syncthreads();  // phase 2's reads of the scaled tiles are done: dgamma takes their place
   }
   // Outputs: dqr, dkn, dkw = beta Pr with the gate-free terms added; dbeta and dgamma row sums.

@@ -140,12 +140,12 @@ __device__ __forceinline__ void write_pair(T* p, float x, float y, bool pair, bo
   }
 }
 
-/// One warp copies 16 rows of `cols` 16-bit elements (cols % 8 == 0) from shared memory to global
-/// memory, 16 bytes per lane and step.
+/// One warp copies 16 rows of `cols` 16-bit elements (64 or 128: C, KP or Vpad) from shared memory to
+/// global memory, 16 bytes per lane and step (the row length a compile-time constant: no division).
 template <class Op>
 __device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src, int sld, int cols) {
   const int lane = threadIdx.x & 31;
-  auto copy = [&](auto per_row) {  // compile-time 8-element groups per row: no integer division
+  auto copy = [&](auto per_row) {  // 8-element groups per row
     constexpr int PR = decltype(per_row)::value;
 #pragma unroll
     for (int e = lane; e < 16 * PR; e += 32) {
@@ -155,13 +155,8 @@ __device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src,
   };
   if (cols == 128)
     copy(std::integral_constant<int, 16>{});
-  else if (cols == 64)
-    copy(std::integral_constant<int, 8>{});
   else
-    for (int e = lane; e < 2 * cols; e += 32) {  // 16 rows of cols / 8 groups
-      const int per_row = cols / 8, r = e / per_row, c8 = (e % per_row) * 8;
-      *reinterpret_cast<uint4*>(dst + r * gld + c8) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
-    }
+    copy(std::integral_constant<int, 8>{});
 }
 
 /// Where global chunk `gc` lies: its sequence, index in the sequence, tokens.
