@@ -305,12 +305,16 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   ck(cudaGetDeviceProperties(&prop, 0), "properties");
-  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward (or backward), for ncu
+  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward (or backward: bwd at B=8 T=2048, bwdlong at B=1 T=32768), for ncu
     g_copy_gbps = 1;
     g_warm = 0, g_reps = 1;
     const char* m = argc > 2 ? argv[2] : "gdn";
     if (argc > 3 && std::string(argv[3]) == "bwd") {
       bench_backward(m, 8, 2048, 16);
+      return 0;
+    }
+    if (argc > 3 && std::string(argv[3]) == "bwdlong") {
+      bench_backward(m, 1, 32768, 16);
       return 0;
     }
     bench_forward(m, 8, 2048, 16, 128, 128);

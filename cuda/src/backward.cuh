@@ -91,12 +91,8 @@ __device__ __forceinline__ void stats_reverse_carry(const BwdArgs& b, int n, int
                                                     int64_t count) {
   const RecArgs& a = b.a;
   float x = (b.daT && c < a.K) ? b.daT[n * b.sdaT[0] + h * b.sdaT[1] + c] : 0.f;
-  for (int64_t k = count - 1; k >= 0; --k) {
-    const int64_t e = ((first + k) * a.H + h) * b.Kp + c;
-    b.carry[e] = x;
-    const float2 pc = b.sums[e];
-    x = fmaf(pc.x, x, pc.y);
-  }
+  const int64_t e0 = (first * a.H + h) * b.Kp + c;
+  x = scan_chunk_sums<true>(b.sums + e0, b.carry + e0, int64_t(a.H) * b.Kp, count, x);
   if (b.da0 && c < a.K) b.da0[n * b.sda0[0] + h * b.sda0[1] + c] = x;
 }
 

@@ -133,12 +133,8 @@ __global__ void stats_carry_kernel(const BwdArgs b) {
   const Seq s = seq_of(a, n);
   const int64_t base = slot_base(s.row0, n), nch = (s.len + kBwdChunk - 1) / kBwdChunk;
   float X = (a.a0 && c < a.K) ? a.a0[n * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
-  for (int64_t k = 0; k < nch; ++k) {
-    const int64_t e = ((base + k) * a.H + h) * b.Kp + c;
-    b.carry[e] = X;
-    const float2 pc = b.sums[e];
-    X = fmaf(pc.x, X, pc.y);
-  }
+  const int64_t e0 = (base * a.H + h) * b.Kp + c;
+  scan_chunk_sums<false>(b.sums + e0, b.carry + e0, int64_t(a.H) * b.Kp, nch, X);
 }
 
 /// 2c. Per (chunk, key head, channel): A_t from the chunk's entry value, and M_t = squash(A_t).

@@ -92,6 +92,31 @@ static_assert(sizeof(float) * 2 * C * LDG <= sizeof(uint16_t) * (3 * C * LDK + 2
               "gamma and dgamma fit in phase 1's region");
 }  // namespace layout
 
+/// A first-order scan across a sequence's `count` chunks, x <- P x + s with (P, s) = sums[k * stride],
+/// forward (REVERSE false) or from the last chunk: carry[k * stride] gets the x entering chunk k; returns
+/// the x leaving the sequence. The sums are loaded kAhead at a time, so one memory round trip serves
+/// kAhead chunks (a scan over 512 chunks was 512 round trips).
+template <bool REVERSE>
+__device__ __forceinline__ float scan_chunk_sums(const float2* sums, float* carry, int64_t stride, int64_t count,
+                                                 float x) {
+  constexpr int kAhead = 32;
+  for (int64_t i0 = 0; i0 < count; i0 += kAhead) {
+    float2 s[kAhead];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const int64_t k = REVERSE ? count - 1 - i0 - j : i0 + j;
+      s[j] = i0 + j < count ? sums[k * stride] : make_float2(1.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const int64_t k = REVERSE ? count - 1 - i0 - j : i0 + j;
+      if (i0 + j < count) carry[k * stride] = x;
+      x = fmaf(s[j].x, x, s[j].y);
+    }
+  }
+  return x;
+}
+
 /// Largest dynamic shared memory per block on the current device (opt-in), in bytes.
 size_t chunk_max_smem();
 

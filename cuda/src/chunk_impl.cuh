@@ -331,18 +331,8 @@ __global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs 
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
   float A = (a.a0 && c < a.K) ? a.a0[int64_t(n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
-  constexpr int kAhead = 16;  // chunk sums loaded per round trip (the scan itself is a cheap FMA chain)
-  for (int64_t i0 = 0; i0 < count; i0 += kAhead) {
-    float2 s[kAhead];
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j)
-      s[j] = i0 + j < count ? ca.sums[((first + i0 + j) * a.H + h) * KP + c] : make_float2(1.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      if (i0 + j < count) ca.Ain[((first + i0 + j) * a.H + h) * KP + c] = A;
-      A = s[j].x * A + s[j].y;
-    }
-  }
+  const int64_t e0 = (first * a.H + h) * KP + c;
+  A = scan_chunk_sums<false>(ca.sums + e0, ca.Ain + e0, int64_t(a.H) * KP, count, A);
   if (a.aT && c < a.K) a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = A;
 }
 
