@@ -65,21 +65,21 @@ static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8
 /// KW (C x 128 each), U (C x VT), P (C x C) and the decays (C floats of gamma, or with Diagonal decay
 /// 128 floats of e^gamma_C).
 constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 2 * KP; }
-/// Dynamic shared memory of the state kernel: two tile buffers, the state's operand copy, R and
+/// Dynamic shared memory of the state kernel: `stages` tile buffers, the state's operand copy, R and
 /// R ⊙ e^(gamma_C - gamma).
-constexpr size_t state_smem_bytes(int VT) {
-  return sizeof(uint16_t) * (2 * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
+constexpr size_t state_smem_bytes(int VT, int stages = 2) {
+  return sizeof(uint16_t) * (stages * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
 }
 /// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
 constexpr size_t bwd_prep_smem_bytes() {
   return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C;
 }
-/// Backward mode: the reverse pass with VT value columns: two buffers of {Wb, Qe, Ke [C][LDK], Ub,
+/// Backward mode: the reverse pass with VT value columns: `stages` buffers of {Wb, Qe, Ke [C][LDK], Ub,
 /// do [C][VT + 8], the decays (C floats of gamma, or with Diagonal decay 128 of e^gamma_C)}, the state
 /// gradient's operand copy [128][VT + 8] and dX [C][VT + 8].
 constexpr int bwd_rev_buffer_elems(int VT) { return 3 * C * LDK + 2 * C * (VT + 8) + 2 * KP; }
-constexpr size_t bwd_rev_smem_bytes(int VT) {
-  return sizeof(uint16_t) * (2 * bwd_rev_buffer_elems(VT) + (KP + C) * (VT + 8));
+constexpr size_t bwd_rev_smem_bytes(int VT, int stages = 2) {
+  return sizeof(uint16_t) * (stages * bwd_rev_buffer_elems(VT) + (KP + C) * (VT + 8));
 }
 /// Backward mode: the gradient kernel's do, r, dX [C][LDK], S_0, H [128][LDK], qr, kn, kw,
 /// Diag(beta) kw [C][LDK], the masked products [C][LDC] x 2, float row sums of 4 column groups, a
@@ -95,7 +95,8 @@ static_assert(sizeof(float) * 2 * C * LDG <= sizeof(uint16_t) * (3 * C * LDK + 2
 /// A first-order scan across a sequence's `count` chunks, x <- P x + s with (P, s) = sums[k * stride],
 /// forward (REVERSE false) or from the last chunk: carry[k * stride] gets the x entering chunk k; returns
 /// the x leaving the sequence. The sums are loaded kAhead at a time, so one memory round trip serves
-/// kAhead chunks (a scan over 512 chunks was 512 round trips).
+/// kAhead chunks (a scan over 512 chunks was 512 round trips). (Splitting the chunks over 4 threads
+/// per channel, a compose pass then a rescan, measured slower at 512 chunks.)
 template <bool REVERSE>
 __device__ __forceinline__ float scan_chunk_sums(const float2* sums, float* carry, int64_t stride, int64_t count,
                                                  float x) {

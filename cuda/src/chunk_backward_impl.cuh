@@ -150,9 +150,15 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
 /// stored (the gradient leaving the chunk), dX = Ub + Wb H is written (dv and the workspace tile), and
 /// H <- e^{gamma_L} H + Qr^T (E ⊙ dO) - Kn^T (E ⊙ dX). The previous chunk's tiles are copied while one
 /// is computed; the do tile is scaled by E in place.
-template <class Tin, class Op, int VT, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca, const BwdArgs bw) {
+template <class Tin, class Op, int VT, int WARPS, int NBUF>
+__global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0))
+    bwd_rev_kernel(const ChunkArgs ca, const BwdArgs bw) {
   const RecArgs& a = ca.a;
+  // With 4 compute warps, warp 4 copies the tiles (ProducerPipe, NBUF buffers); with 16 the compute
+  // warps copy one chunk ahead themselves (NBUF = 2; a 17th warp would cap the registers at 120).
+  constexpr bool PROD = WARPS == 4;
+  static_assert(PROD || NBUF == 2, "buffers");
+  constexpr int THREADS = WARPS * 32;
   constexpr int LDV = VT + 8;
   constexpr int NT = VT / 8;
   // The state: WR warps along its 128 rows (MT m-tiles each) times SG column groups (NTS n-tiles each).
@@ -162,8 +168,8 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   static_assert(NTW % 2 == 0 && NTS % 2 == 0 && MT >= 1, "tile split");
   constexpr int BUF = bwd_rev_buffer_elems(VT);
   extern __shared__ __align__(16) unsigned char smem[];
-  Op* sBuf = reinterpret_cast<Op*>(smem);  // 2 x {Wb, Qr, Kn [C][LDK], Ub, do [C][LDV], gamma [C] float}
-  Op* sH = sBuf + 2 * BUF;                 // [KP][LDV]
+  Op* sBuf = reinterpret_cast<Op*>(smem);  // NBUF x {Wb, Qr, Kn [C][LDK], Ub, do [C][LDV], gamma [C] float}
+  Op* sH = sBuf + NBUF * BUF;              // [KP][LDV]
   Op* sX = sH + KP * LDV;                  // [C][LDV] -E ⊙ dX
 
   const int warp = threadIdx.x >> 5;
@@ -174,24 +180,33 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   const int64_t Vp = ca.Vpad;
   const bool diag = a.decay == kDecayDiagonal;  // the tiles carry the decays; sG holds e^gamma_C per row
 
-  auto issue = [&](int64_t ci) {
-    Op* buf = sBuf + (ci & 1) * BUF;
+  auto issue = [&](int64_t ci, int bi, auto nt) {  // chunk ci into buffer bi, copied by nt threads
+    constexpr int CT = decltype(nt)::value;
+    Op* buf = sBuf + bi * BUF;
     const int64_t head = (first + ci) * a.HV + hv;
-    copy_tile_async<KP, WARPS * 32>(buf, LDK, static_cast<const Op*>(ca.W) + head * C * KP, KP, C);
-    copy_tile_async<KP, WARPS * 32>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C);
-    if (a.online)
-      copy_tile_async<KP, WARPS * 32>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
-    copy_tile_async<VT, WARPS * 32>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
-    copy_tile_async<VT, WARPS * 32>(buf + 3 * C * LDK + C * LDV, LDV,
-                                    static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<KP, CT>(buf, LDK, static_cast<const Op*>(ca.W) + head * C * KP, KP, C);
+    copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + head * C * KP, KP, C);
+    if (a.online) copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.Kn) + head * C * KP, KP, C);
+    copy_tile_async<VT, CT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + head * C * Vp + v0, Vp, C);
+    copy_tile_async<VT, CT>(buf + 3 * C * LDK + C * LDV, LDV, static_cast<const Op*>(ca.dO) + head * C * Vp + v0, Vp,
+                            C);
     Op* dec = buf + 3 * C * LDK + 2 * C * LDV;
     if (diag)
-      copy_tile_async<2 * KP, WARPS * 32>(dec, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head * KP), 2 * KP, 1);
+      copy_tile_async<2 * KP, CT>(dec, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head * KP), 2 * KP, 1);
     else
-      copy_tile_async<2 * C, WARPS * 32>(dec, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C), 2 * C, 1);
-    cp_commit();
+      copy_tile_async<2 * C, CT>(dec, 2 * C, reinterpret_cast<const Op*>(ca.gam + head * C), 2 * C, 1);
+    if (!PROD) cp_commit();
   };
-  if (count > 0) issue(count - 1);
+  using Pipe = ProducerPipe<NBUF, THREADS>;
+  typename Pipe::Slot slot;  // the current chunk's buffer
+  if constexpr (PROD) {
+    if (warp == WARPS) {  // the producer, from the last chunk back
+      Pipe::produce(count, [&](int64_t j, int bi) { issue(count - 1 - j, bi, std::integral_constant<int, 32>{}); });
+      return;
+    }
+  } else if (count > 0) {
+    issue(count - 1, 0, std::integral_constant<int, THREADS>{});
+  }
 
   const int sr0 = (warp % WR) * MT * 16, sc0 = (warp / WR) * NTS * 8;  // this warp's state rows, columns
   float H[MT][NTS][4];
@@ -212,18 +227,20 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
   const int m0 = 16 * (warp % 4), c0 = (warp / 4) * NTW * 8;
   for (int64_t ci = count - 1; ci >= 0; --ci) {
     const int L = static_cast<int>(imin64(C, len - ci * C));
-    if (ci > 0) {
-      issue(ci - 1);
+    if constexpr (PROD) {
+      Pipe::wait_full(slot);
+    } else if (ci > 0) {
+      issue(ci - 1, slot.buf ^ 1, std::integral_constant<int, THREADS>{});
       cp_wait<1>();
     } else {
       cp_wait<0>();
     }
-    __syncthreads();
-    const Op* sW = sBuf + (ci & 1) * BUF;
+    sync_compute<THREADS>();
+    const Op* sW = sBuf + slot.buf * BUF;
     const Op* sQr = sW + C * LDK;
     const Op* sKn = sW + 2 * C * LDK;
     const Op* sU = sW + 3 * C * LDK;
-    Op* sDO = sBuf + (ci & 1) * BUF + 3 * C * LDK + C * LDV;
+    Op* sDO = sBuf + slot.buf * BUF + 3 * C * LDK + C * LDV;
     const float* sG = reinterpret_cast<const float*>(sDO + C * LDV);
     const float gC = diag ? 1.f : __expf(sG[L - 1]);
     const int64_t head = (first + ci) * a.HV + hv;
@@ -263,7 +280,7 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
           write_pair(dv + b * bw.sdv[0] + (bos + ci * C + i) * bw.sdv[1] + hv * bw.sdv[2] + col, x0, x1, bw.pair_dv,
                      col < a.V, col + 1 < a.V);
       }
-    __syncthreads();
+    sync_compute<THREADS>();
     // H <- e^{gamma_L} H + Qr^T (E ⊙ dO) + Kn^T (-E ⊙ dX).
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -290,7 +307,13 @@ __global__ void __launch_bounds__(WARPS * 32) bwd_rev_kernel(const ChunkArgs ca,
         }
       }
     }
-    __syncthreads();  // every warp is done reading sH, sX and this chunk's buffer
+    sync_compute<THREADS>();  // every warp is done reading sH, sX and this chunk's buffer
+    if constexpr (PROD) {
+      Pipe::release(slot, count - 1 - ci, count);
+      slot.next();
+    } else {
+      slot.buf ^= 1;
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1317,13 +1340,13 @@ __global__ void __launch_bounds__(kThreads, kKeyApplyBlocks) key_apply_kernel(co
   }
 }
 
-template <class Tin, class Op, int VT, int WARPS = 4>
+template <class Tin, class Op, int VT, int WARPS = 4, int NBUF = 2>
 cudaError_t launch_rev(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t stream) {
-  constexpr size_t bytes = bwd_rev_smem_bytes(VT);
-  static const cudaError_t set = allow_smem(bwd_rev_kernel<Tin, Op, VT, WARPS>, bytes);
+  constexpr size_t bytes = bwd_rev_smem_bytes(VT, NBUF);
+  static const cudaError_t set = allow_smem(bwd_rev_kernel<Tin, Op, VT, WARPS, NBUF>, bytes);
   if (set != cudaSuccess) return set;
   const dim3 grid(ca.Vpad / VT, ca.a.HV, ca.a.N);
-  bwd_rev_kernel<Tin, Op, VT, WARPS><<<grid, WARPS * 32, bytes, stream>>>(ca, bw);
+  bwd_rev_kernel<Tin, Op, VT, WARPS, NBUF><<<grid, WARPS * 32 + (WARPS == 4 ? 32 : 0), bytes, stream>>>(ca, bw);
   return cudaGetLastError();
 }
 
@@ -1349,6 +1372,8 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
     e = launch_rev<Tin, Op, 64>(ca, bw, stream);
   else if (heads * (ca.Vpad / 32) >= sms && bwd_rev_smem_bytes(32) <= smem)
     e = launch_rev<Tin, Op, 32>(ca, bw, stream);
+  else if (bwd_rev_smem_bytes(16, 3) <= smem)  // three buffers (the producer two chunks ahead) where they fit
+    e = launch_rev<Tin, Op, 16, 4, 3>(ca, bw, stream);
   else
     e = launch_rev<Tin, Op, 16>(ca, bw, stream);
   if (e != cudaSuccess) return e;

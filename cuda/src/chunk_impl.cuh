@@ -935,14 +935,15 @@ __device__ __forceinline__ void cp_wait() {
 
 /// Starts the asynchronous copy of `rows` rows of COLS 16-bit elements from global (row stride gld)
 /// to shared memory (row stride sld), 16 bytes per copy. NT > 0: the block's thread count, known at
-/// compile time; each thread then keeps one column and steps its row pointers (no index arithmetic
-/// per copy).
+/// compile time (32: the calling warp alone, whichever it is); each thread then keeps one column and
+/// steps its row pointers (no index arithmetic per copy).
 template <int COLS, int NT = 0, class Op>
 __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
   constexpr int PR = COLS / 8;
   if constexpr (NT > 0 && NT % PR == 0) {
-    constexpr int RS = NT / PR;  // rows per pass of the block
-    const int r0 = threadIdx.x / PR, c8 = (threadIdx.x % PR) * 8;
+    constexpr int RS = NT / PR;                                         // rows per pass of the block
+    const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);  // NT = 32: one warp copies
+    const int r0 = t / PR, c8 = (t % PR) * 8;
     const Op* s = src + r0 * gld + c8;
     Op* d = dst + r0 * sld + c8;
 #pragma unroll 4
@@ -977,15 +978,80 @@ __device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, 
   }
 }
 
+/// The tile buffers of the sequential passes, warp-specialised: one producer warp copies each
+/// chunk's tiles (cp.async) ahead while the NT compute threads work, so the compute warps issue no
+/// copies (the copy loops were 28-30% of their time at T = 32768, one warp per scheduler). The hand-
+/// offs are named barriers (hardware barriers, which compute-sanitizer's racecheck follows): FULL b
+/// (the producer arrives once its copies into buffer b have landed, the compute warps sync) and EMPTY
+/// b (compute warp 0 arrives once the compute warps are done with buffer b, the producer syncs).
+/// Chunk j of the pass (in its order) uses buffer j % NBUF for the (j / NBUF)-th time. With three
+/// buffers the producer keeps two fills in flight. Barrier ids: 1 is sync_compute's, 2 .. 2 + 2 NBUF
+/// these.
+template <int NBUF, int NT>
+struct ProducerPipe {
+  static_assert(NBUF >= 2 && 2 + 2 * NBUF <= 16, "named barriers");
+  /// The buffer and its use count of one chunk of the pass.
+  struct Slot {
+    int buf = 0;
+    int64_t use = 0;
+    __device__ __forceinline__ void next() {
+      if (++buf == NBUF) buf = 0, ++use;
+    }
+  };
+  /// Compute threads: waits for the copies of slot s.
+  __device__ __forceinline__ static void wait_full(Slot s) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + s.buf), "n"(NT + 32) : "memory");
+  }
+  /// Compute threads, after their barrier that follows the last read of chunk j's buffer: frees it
+  /// for chunk j + NBUF (if the pass has one; count: the pass's chunks).
+  __device__ __forceinline__ static void release(Slot s, int64_t j, int64_t count) {
+    if (threadIdx.x < 32 && j + NBUF < count) asm volatile("bar.arrive %0, 64;\n" ::"r"(2 + NBUF + s.buf) : "memory");
+  }
+  /// The producer warp: for each chunk ci of the pass (in order, `count` of them), `issue(ci, buffer)`
+  /// starts its copies into the buffer (cp.async, not committed).
+  template <class Issue>
+  __device__ __forceinline__ static void produce(int64_t count, Issue&& issue) {
+    Slot slot, prev;
+    for (int64_t j = 0; j < count; ++j) {
+      if (slot.use > 0) asm volatile("bar.sync %0, 64;\n" ::"r"(2 + NBUF + slot.buf) : "memory");
+      issue(j, slot.buf);
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      if (NBUF >= 3 && j > 0) {  // the previous fill has landed: hand it over, keep this one in flight
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(2 + prev.buf), "n"(NT + 32) : "memory");
+      } else if (NBUF < 3) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(2 + slot.buf), "n"(NT + 32) : "memory");
+      }
+      prev = slot;
+      slot.next();
+    }
+    if (NBUF >= 3 && count > 0) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      asm volatile("bar.arrive %0, %1;\n" ::"r"(2 + prev.buf), "n"(NT + 32) : "memory");
+    }
+  }
+};
+
+/// Barrier of the first NT threads of the block (the compute warps; the producer warp is not in it).
+template <int NT>
+__device__ __forceinline__ void sync_compute() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+}
+
 /// Per (sequence, value head, VT value columns): the sequential pass over the sequence's chunks, on
 /// WARPS warps. The float32 state rows RW w .. RW w + RW - 1 (RW = 128 / WARPS) live in warp w's
 /// accumulators, its operand copy in sS. In the C-row products warp w owns rows 16 (w % 4) .. + 15
-/// and the value columns of group w / 4. The next chunk's tiles are copied (cp.async) while the
-/// current one is computed. With CKPT (backward mode) it writes the state entering each chunk and
+/// and the value columns of group w / 4. Warp WARPS copies the next chunks' tiles (ProducerPipe)
+/// while the current one is computed. With CKPT (backward mode) it writes the state entering each chunk and
 /// the chunk's R (the residuals r) instead of o.
-template <class Tin, class Op, int VT, int WARPS, bool CKPT>
-__global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
+template <class Tin, class Op, int VT, int WARPS, bool CKPT, int NBUF>
+__global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
+  // With 4 compute warps, warp 4 copies the tiles (ProducerPipe, NBUF buffers); with 8 the compute
+  // warps copy one chunk ahead themselves (NBUF = 2; a producer made the B = 8 checkpointing pass slower).
+  constexpr bool PROD = WARPS == 4;
+  static_assert(PROD || NBUF == 2, "buffers");
   constexpr int THREADS = WARPS * 32;
   constexpr int LDV = VT + 8;
   constexpr int NT = VT / 8;                    // n-tiles of the state
@@ -995,8 +1061,8 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   static_assert(NTW % 2 == 0 && MT >= 1, "tile split");
   constexpr int BUF = state_buffer_elems(VT);
   extern __shared__ __align__(16) unsigned char smem[];
-  Op* sBuf = reinterpret_cast<Op*>(smem);  // 2 x {W, Q, KW [C][LDK], U [C][LDV], P [C][LDC], gamma [C] float}
-  Op* sS = sBuf + 2 * BUF;                 // [KP][LDV]
+  Op* sBuf = reinterpret_cast<Op*>(smem);  // NBUF x {W, Q, KW [C][LDK], U [C][LDV], P [C][LDC], gamma [C] float}
+  Op* sS = sBuf + NBUF * BUF;              // [KP][LDV]
   Op* sR = sS + KP * LDV;                  // [C][LDV] R = U - W S
   Op* sRs = sR + C * LDV;                  // [C][LDV] R ⊙ e^(gamma_C - gamma), zero past L
 
@@ -1007,26 +1073,34 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   seq_chunks(ca, n, &first, &count, &len);
   const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
 
-  auto issue = [&](int64_t ci) {
-    Op* buf = sBuf + (ci & 1) * BUF;
+  auto issue = [&](int64_t ci, int bi, auto nt) {  // chunk ci into buffer bi, copied by nt threads
+    constexpr int CT = decltype(nt)::value;
+    Op* buf = sBuf + bi * BUF;
     const int64_t tile = ((first + ci) * a.HV + hv) * C;
-    if (a.online) copy_tile_async<KP, THREADS>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
-    copy_tile_async<KP, THREADS>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
-    copy_tile_async<KP, THREADS>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
-    copy_tile_async<VT, THREADS>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad,
-                                 C);
-    copy_tile_async<C, THREADS>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
+    if (a.online) copy_tile_async<KP, CT>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
+    copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    copy_tile_async<VT, CT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
+    copy_tile_async<C, CT>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
     // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
     if (diag)
-      copy_tile_async<2 * KP, THREADS>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
-                                       reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP,
-                                       1);
+      copy_tile_async<2 * KP, CT>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
+                                  reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP, 1);
     else
-      copy_tile_async<2 * C, THREADS>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
-                                      reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
-    cp_commit();
+      copy_tile_async<2 * C, CT>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
+                                 reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+    if (!PROD) cp_commit();
   };
-  if (count > 0) issue(0);
+  using Pipe = ProducerPipe<NBUF, THREADS>;
+  typename Pipe::Slot slot;  // the current chunk's buffer
+  if constexpr (PROD) {
+    if (warp == WARPS) {  // the producer
+      Pipe::produce(count, [&](int64_t ci, int bi) { issue(ci, bi, std::integral_constant<int, 32>{}); });
+      return;
+    }
+  } else if (count > 0) {
+    issue(0, 0, std::integral_constant<int, THREADS>{});
+  }
 
   float S[MT][NT][4];
   // f(state element, its row, its global value column) for every accumulator element of this thread.
@@ -1060,14 +1134,16 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
   if (CKPT && count > 0) load_gains(0, gain_next);
   for (int64_t ci = 0; ci < count; ++ci) {
     const int L = static_cast<int>(imin64(C, len - ci * C));
-    if (ci + 1 < count) {
-      issue(ci + 1);
+    if constexpr (PROD) {
+      Pipe::wait_full(slot);
+    } else if (ci + 1 < count) {
+      issue(ci + 1, (ci + 1) & 1, std::integral_constant<int, THREADS>{});
       cp_wait<1>();
     } else {
       cp_wait<0>();
     }
-    __syncthreads();
-    const Op* sW = sBuf + (ci & 1) * BUF;
+    sync_compute<THREADS>();  // also orders the previous chunk's sS writes before this chunk's reads
+    const Op* sW = sBuf + slot.buf * BUF;
     const Op* sQ = sW + C * LDK;
     const Op* sKW = sW + 2 * C * LDK;
     const Op* sU = sW + 3 * C * LDK;
@@ -1123,7 +1199,7 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         store2(sRs + i * LDV + j, r0 * es[e >> 1], r1 * es[e >> 1]);
         acc_o[nt][e] *= eo[e >> 1], acc_o[nt][e + 1] *= eo[e >> 1];
       }
-    __syncthreads();
+    sync_compute<THREADS>();
     if (CKPT) store_tile<VT, THREADS>(static_cast<Op*>(ca.Rr) + vtile * C + v0, ca.Vpad, sR, LDV, C);
       // O += P R.
 #pragma unroll
@@ -1169,7 +1245,13 @@ __global__ void __launch_bounds__(WARPS * 32) state_kernel(const ChunkArgs ca) {
         }
       }
     }
-    __syncthreads();  // every warp is done reading sS, sR, sRs and this chunk's buffer
+    sync_compute<THREADS>();  // every warp is done reading sS, sR, sRs and this chunk's buffer
+    if constexpr (PROD) {
+      Pipe::release(slot, ci, count);
+      slot.next();
+    } else {
+      slot.buf ^= 1;
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1190,18 +1272,19 @@ cudaError_t allow_smem(F* f, size_t bytes) {
   return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-template <class Tin, class Op, int VT, int WARPS = 4>
+template <class Tin, class Op, int VT, int WARPS = 4, int NBUF = 2>
 cudaError_t launch_state(const ChunkArgs& ca, cudaStream_t stream) {
-  constexpr size_t bytes = state_smem_bytes(VT);
+  constexpr size_t bytes = state_smem_bytes(VT, NBUF);
+  constexpr int threads = WARPS * 32 + (WARPS == 4 ? 32 : 0);
   const dim3 grid(ca.Vpad / VT, ca.a.HV, ca.a.N);
   if (ca.bwd) {
-    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, true>, bytes);
+    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, true, NBUF>, bytes);
     if (set != cudaSuccess) return set;
-    state_kernel<Tin, Op, VT, WARPS, true><<<grid, WARPS * 32, bytes, stream>>>(ca);
+    state_kernel<Tin, Op, VT, WARPS, true, NBUF><<<grid, threads, bytes, stream>>>(ca);
   } else {
-    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, false>, bytes);
+    static const cudaError_t set = allow_smem(state_kernel<Tin, Op, VT, WARPS, false, NBUF>, bytes);
     if (set != cudaSuccess) return set;
-    state_kernel<Tin, Op, VT, WARPS, false><<<grid, WARPS * 32, bytes, stream>>>(ca);
+    state_kernel<Tin, Op, VT, WARPS, false, NBUF><<<grid, threads, bytes, stream>>>(ca);
   }
   return cudaGetLastError();
 }
@@ -1240,6 +1323,8 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     return launch_state<Tin, Op, 32>(ca, stream);
   }
   *impl = "cuda/chunkwise/v16";
+  // Three buffers (the producer two chunks ahead) where they fit (Hopper), else two.
+  if (state_smem_bytes(16, 3) <= smem) return launch_state<Tin, Op, 16, 4, 3>(ca, stream);
   return launch_state<Tin, Op, 16>(ca, stream);
 }
 
