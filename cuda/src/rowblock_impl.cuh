@@ -29,9 +29,9 @@ struct RawGroup {
 /// accesses. Partial sums over rows are combined across parts through shared memory. Tokens are
 /// staged TG at a time; the loads of the next group are issued before the current group runs.
 /// With 128 columns per block (128 state floats per thread) the kernel asks for 2 blocks per SM,
-/// so its registers do not spill; otherwise 3.
+/// so its registers do not spill; otherwise 3, or 4 with one token staged (one-token decode).
 template <class Tin, int NCG, int TG>
-__global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : 3) rowblock_kernel(const RecArgs a) {
+__global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)) rowblock_kernel(const RecArgs a) {
   constexpr int KT = 128;                     // K <= 128, masked
   constexpr int NP = kRowThreads / NCG;       // parts (row blocks)
   constexpr int R = KT / NP;                  // rows per thread
@@ -272,6 +272,13 @@ cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** im
   if (!rowblock_vectorizable(a)) return launch_recurrent<Tin>(a, stream, impl);
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // One token per call (the common case): 64 columns per block and one token staged, so four
+  // blocks fit per SM and their state reads and writes overlap better (B=256: 356 -> 276 µs for GDN,
+  // 384 -> 303 for PGDN; B=1: 4.2 -> 3.9 µs).
+  if (a.T == 1 && !a.cu_seqlens) {
+    *impl = "cuda/decode/v64";
+    return launch_rowblock_variant<Tin, 16, 1>(a, stream);
+  }
   const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 127) / 128);
   if (blocks >= 2 * sms) {
     *impl = "cuda/decode/v128";
