@@ -1042,9 +1042,10 @@ __device__ __forceinline__ void sync_compute() {
 /// Per (sequence, value head, VT value columns): the sequential pass over the sequence's chunks, on
 /// WARPS warps. The float32 state rows RW w .. RW w + RW - 1 (RW = 128 / WARPS) live in warp w's
 /// accumulators, its operand copy in sS. In the C-row products warp w owns rows 16 (w % 4) .. + 15
-/// and the value columns of group w / 4. Warp WARPS copies the next chunks' tiles (ProducerPipe)
-/// while the current one is computed. With CKPT (backward mode) it writes the state entering each chunk and
-/// the chunk's R (the residuals r) instead of o.
+/// and the value columns of group w / 4. The next chunks' tiles are copied while the current one is
+/// computed: by a fifth warp with 4 compute warps (ProducerPipe), by the compute warps themselves
+/// with 8. With CKPT (backward mode) it writes the state entering each chunk and the chunk's R (the
+/// residuals r) instead of o.
 template <class Tin, class Op, int VT, int WARPS, bool CKPT, int NBUF>
 __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
