@@ -940,6 +940,7 @@ __device__ __forceinline__ void cp_wait() {
 template <int COLS, int NT = 0, class Op>
 __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
   constexpr int PR = COLS / 8;
+  static_assert(NT != 32 || NT % PR == 0, "one warp copies whole rows per pass");
   if constexpr (NT > 0 && NT % PR == 0) {
     constexpr int RS = NT / PR;                                         // rows per pass of the block
     const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);  // NT = 32: one warp copies
@@ -957,8 +958,8 @@ __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src,
 }
 
 /// Copies `rows` rows of COLS 16-bit elements from shared memory (row stride sld) to global memory
-/// (row stride gld), 16 bytes per thread and step, with all the block's threads (NT: as for
-/// copy_tile_async).
+/// (row stride gld), 16 bytes per thread and step, with threads 0 .. NT - 1 (NT > 0: their count,
+/// known at compile time, e.g. the compute warps beside a producer warp; 0: the whole block).
 template <int COLS, int NT = 0, class Op>
 __device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, int sld, int rows) {
   constexpr int PR = COLS / 8;
@@ -1138,7 +1139,7 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     if constexpr (PROD) {
       Pipe::wait_full(slot);
     } else if (ci + 1 < count) {
-      issue(ci + 1, (ci + 1) & 1, std::integral_constant<int, THREADS>{});
+      issue(ci + 1, slot.buf ^ 1, std::integral_constant<int, THREADS>{});
       cp_wait<1>();
     } else {
       cp_wait<0>();
