@@ -305,12 +305,19 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   ck(cudaGetDeviceProperties(&prop, 0), "properties");
-  if (argc > 1 && std::string(argv[1]) == "--profile") {  // kernels of one model's forward (or backward: bwd at B=8 T=2048, bwdlong at B=1 T=32768), for ncu
+  // --profile M [bwd|bwdlong|decode]: kernels of one model's forward (or backward: bwd at B=8 T=2048,
+  // bwdlong at B=1 T=32768; or decode at B=1 and B=256), run once each, for ncu.
+  if (argc > 1 && std::string(argv[1]) == "--profile") {
     g_copy_gbps = 1;
     g_warm = 0, g_reps = 1;
     const char* m = argc > 2 ? argv[2] : "gdn";
     if (argc > 3 && std::string(argv[3]) == "bwd") {
       bench_backward(m, 8, 2048, 16);
+      return 0;
+    }
+    if (argc > 3 && std::string(argv[3]) == "decode") {
+      bench_decode(m, 1, 16, 32, 128, 128, false);
+      bench_decode(m, 256, 16, 32, 128, 128, false);
       return 0;
     }
     if (argc > 3 && std::string(argv[3]) == "bwdlong") {

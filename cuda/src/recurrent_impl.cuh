@@ -11,6 +11,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <utility>
+
 #include "recurrent.cuh"
 
 namespace dgps::cuda::kernels {
@@ -27,6 +30,49 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+
+/// In a kernel launched as a programmatic dependent (launch_maybe_dependent): waits until the previous
+/// kernel in the stream has finished and its writes are visible, then lets the next one be scheduled.
+/// Elsewhere (an ordinary launch, or before sm_90) it returns at once. Call it before any global read.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// True when the current device runs programmatic dependent launches (sm_90 and newer) and
+/// DGPS_CUDA_PDL=0 (a testing knob) does not turn them off.
+inline bool programmatic_launch_supported() {
+  static const bool off = [] {
+    const char* e = std::getenv("DGPS_CUDA_PDL");
+    return e && e[0] == '0';
+  }();
+  if (off) return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major >= 9;
+}
+
+/// Launches `kernel` on `stream`; `dependent`: as a programmatic dependent launch (the kernel must call
+/// grid_dependency_sync() before reading global memory). In a CUDA graph capture it becomes a
+/// programmatic edge, so replays keep the early scheduling.
+template <class... Params, class... Args>
+cudaError_t launch_maybe_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                   bool dependent, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
 
 /// Loads element i of a gate tensor whose element type is chosen at run time (0 f32, 1 bf16, 2 f16).
 __device__ __forceinline__ float load_gate(const void* p, int64_t i, int dtype) {
@@ -124,6 +170,7 @@ __global__ void __launch_bounds__(32) recurrent_kernel(const RecArgs a) {
   float* s_kw = s_q + L * KP;
   float* s_dg = s_kw + (a.precond == kPrecondATK ? L * KP : 0);
   __shared__ float s_v[L][VT], s_dec[L], s_beta[L], s_gp[L], s_bp[L], s_rk[L], s_rq[L];
+  grid_dependency_sync();  // launched as a programmatic dependent: the previous kernel's writes
 
   const int lane = threadIdx.x;
   const int part = lane / VT, col = lane % VT;
@@ -308,8 +355,8 @@ cudaError_t launch_variant(const RecArgs& a, cudaStream_t stream) {
   constexpr int VT = 32 / KS;
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
   const size_t smem = StageLayout<KT, KS>::bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
-  recurrent_kernel<Tin, KT, KS><<<grid, 32, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_maybe_dependent(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream,
+                                programmatic_launch_supported(), a);
 }
 
 /// Picks the rows-per-thread split: one thread per column when the grid already fills the GPU

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
   __shared__ __align__(16) float s_v[TG][VT];
   __shared__ float s_dec[TG], s_beta[TG], s_gp[TG], s_bp[TG], s_ss[TG][2][NW];
 
+  grid_dependency_sync();  // a programmatic dependent launch (decode) waits here for the previous kernel
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int part = tid / NCG, cg = tid % NCG;
   const int n = blockIdx.z, hv = blockIdx.y;
@@ -250,12 +251,13 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
   if (has_p && a.aT && hv % a.group == 0 && blockIdx.x == 0 && c < K) a.aT[sidx * a.saT[0] + h * a.saT[1] + c] = A;
 }
 
+/// Launches rowblock_kernel<Tin, NCG, TG>; `dependent`: as a programmatic dependent launch (decode
+/// on sm_90 and newer), so its blocks are scheduled while the previous kernel in the stream finishes.
 template <class Tin, int NCG, int TG>
-cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream) {
+cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool dependent = false) {
   constexpr int VT = 4 * NCG;
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
-  rowblock_kernel<Tin, NCG, TG><<<grid, kRowThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_maybe_dependent(rowblock_kernel<Tin, NCG, TG>, grid, dim3(kRowThreads), 0, stream, dependent, a);
 }
 
 /// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).
@@ -265,27 +267,50 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
          a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
 }
 
-/// Decode: 128 columns per block when that fills the GPU twice over, else 32 (more, smaller blocks
-/// for small batches). States whose rows cannot be moved 16 bytes at a time use the warp kernel.
+/// Decode, as programmatic dependent launches on sm_90+. One token per call: 64 columns per block, or
+/// 32 when that gives fewer than one block per SM. More tokens: 128 columns per block when that fills
+/// the GPU twice over, else 32 (more, smaller blocks for small batches). States whose rows cannot be
+/// moved 16 bytes at a time use the warp kernel.
 template <class Tin>
 cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** impl) {
   if (!rowblock_vectorizable(a)) return launch_recurrent<Tin>(a, stream, impl);
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // Programmatic dependent launch (sm_90+): each call's blocks are resident and waiting when the
+  // previous kernel ends instead of being launched after it. B = 1, HV = 32, a CUDA graph of one-token
+  // calls: 3.7 -> 3.4 µs with the 32-column blocks below (64 columns, no dependent launch: 3.9).
+  const bool dependent = programmatic_launch_supported();
   // One token per call (the common case): 64 columns per block and one token staged, so four
   // blocks fit per SM and their state reads and writes overlap better (B=256: 356 -> 276 µs for GDN,
-  // 384 -> 303 for PGDN; B=1: 4.2 -> 3.9 µs).
+  // 384 -> 303 for PGDN; B=1: 4.2 -> 3.9 µs). Fewer than one such block per SM (small batches): 32
+  // columns, twice the blocks.
   if (a.T == 1 && !a.cu_seqlens) {
+    // DGPS_CUDA_DECODE_COLS=16|32|64 forces the block width (a testing and benchmarking knob).
+    static const int forced = [] {
+      const char* e = std::getenv("DGPS_CUDA_DECODE_COLS");
+      return e ? std::atoi(e) : 0;
+    }();
+    const int cols = forced == 16 || forced == 32 || forced == 64    ? forced
+                     : int64_t(a.N) * a.HV * ((a.V + 63) / 64) < sms ? 32
+                                                                     : 64;
+    if (cols == 16) {
+      *impl = "cuda/decode/v16";
+      return launch_rowblock_variant<Tin, 4, 1>(a, stream, dependent);
+    }
+    if (cols == 32) {
+      *impl = "cuda/decode/v32";
+      return launch_rowblock_variant<Tin, 8, 1>(a, stream, dependent);
+    }
     *impl = "cuda/decode/v64";
-    return launch_rowblock_variant<Tin, 16, 1>(a, stream);
+    return launch_rowblock_variant<Tin, 16, 1>(a, stream, dependent);
   }
   const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 127) / 128);
   if (blocks >= 2 * sms) {
     *impl = "cuda/decode/v128";
-    return launch_rowblock_variant<Tin, 32, kDecodeGroup>(a, stream);
+    return launch_rowblock_variant<Tin, 32, kDecodeGroup>(a, stream, dependent);
   }
   *impl = "cuda/decode/v32";
-  return launch_rowblock_variant<Tin, 8, kDecodeGroup>(a, stream);
+  return launch_rowblock_variant<Tin, 8, kDecodeGroup>(a, stream, dependent);
 }
 
 /// Forward with the block-row kernel (16-byte state rows): 64 columns per block when that gives at

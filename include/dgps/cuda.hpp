@@ -136,8 +136,12 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// Decode: `p.T` (1 to a few) new tokens for each of `p.B` sequences (`p.N == p.B`, no cu_seqlens),
 /// continuing from the states `p.h0`/`p.a0` (a pool of states addressed through `p.slots`, or one
 /// per sequence) and writing them back in place (`p.hT`/`p.aT` must equal `p.h0`/`p.a0` or be null,
-/// which means the same). Equal to `forward` with h0 = hT = state. Returns "cuda/decode/v128",
-/// "cuda/decode/v32" or the warp kernel's name.
+/// which means the same). Equal to `forward` with h0 = hT = state. On sm_90 and newer the kernels are
+/// programmatic dependent launches (also inside a CUDA graph capture): their blocks are scheduled
+/// while the previous kernel on the stream finishes and wait for it before reading anything
+/// (DGPS_CUDA_PDL=0 turns this off). Returns "cuda/decode/v64" or "cuda/decode/v32" (one token),
+/// "cuda/decode/v128" or "cuda/decode/v32" (more tokens), or the warp kernel's name; the environment
+/// variable DGPS_CUDA_DECODE_COLS=16|32|64 forces the one-token block width (testing, benchmarks).
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Cotangents and gradient destinations of a CUDA backward call (device tensors, same layouts as the

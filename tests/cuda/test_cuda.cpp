@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -294,6 +295,81 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
     report(name, "a", dgps_test::rel_err(download(ap, apool.size(), DType::f32), aexp), tolerance(d), impl);
 }
 
+/// A decode loop of Tn one-token calls captured in a CUDA graph (the calls are programmatic dependent
+/// launches on sm_90) gives the same outputs and states, bit for bit, as the same calls made eagerly,
+/// and both match the float64 reference of the Tn tokens within the float32 tolerance.
+void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::Workspace& ws) {
+  const int64_t Tn = 3, H = 2, HV = 4, K = 128, V = 128;
+  Case c =
+      make_random(model, {.batch = N, .time = Tn, .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V}, {}, seed);
+  const bool diag_p = c.spec.precond != dgps::precond::Kind::identity;
+  dgps_test::Rng rng(seed + 3);
+  std::vector<double> h0(N * HV * K * V), a0(N * H * K);
+  for (auto& x : h0) x = 0.5 * rng.normal();
+  for (auto& x : a0) x = rng.uniform(0.0, 2.0);
+  c.arr["h0"] = h0;
+  if (diag_p) c.arr["a0"] = a0;
+  const Arrays ref = reference_forward(rounded(c, DType::f32, DType::f32));
+  std::map<std::string, DevBuf> buf;
+  for (const char* n : {"q", "k", "v", "g", "beta", "g_p", "beta_p", "center"})
+    if (c.has(n)) buf[n] = upload(c.arr.at(n), DType::f32);
+  const bool dg = c.spec.decay == dgps::decay::Kind::diagonal;
+  // Two copies of the states and outputs: [0] eager, [1] graph.
+  DevBuf hs[2] = {upload(h0, DType::f32), upload(h0, DType::f32)},
+         as[2] = {upload(a0, DType::f32), upload(a0, DType::f32)};
+  DevBuf os[2] = {poisoned(size_t(N * Tn * HV * V) * 4), poisoned(size_t(N * Tn * HV * V) * 4)};
+  // The call of token t on copy i: every tensor's rows of token t (strides of the [N, Tn, ., .] inputs).
+  auto step = [&](int i, int64_t t) {
+    auto at = [&](const DevBuf& b, int64_t d2, int64_t d3) {
+      dgps::cuda::Tensor x = contiguous4(b, Tn, d2, d3);
+      if (x.data) x.data = static_cast<const float*>(x.data) + t * x.stride[1];
+      return x;
+    };
+    dgps::cuda::Params p;
+    p.spec = c.spec;
+    p.dtype = DType::f32;
+    p.B = N, p.T = 1, p.H = H, p.HV = HV, p.K = K, p.V = V, p.N = N;
+    p.q = at(buf["q"], H, K), p.k = at(buf["k"], H, K), p.v = at(buf["v"], HV, V);
+    if (c.has("g")) p.g = at(buf["g"], HV, dg ? K : 1);
+    if (c.has("beta")) p.beta = at(buf["beta"], HV, 1);
+    if (c.has("g_p")) p.g_p = at(buf["g_p"], H, 1);
+    if (c.has("beta_p")) p.beta_p = at(buf["beta_p"], H, 1);
+    if (c.has("center")) p.center = contiguous4(buf["center"], 1, 1, 1);
+    p.h0 = contiguous4(hs[i], HV, K, V);
+    if (diag_p) p.a0 = contiguous4(as[i], H, K, 1);
+    p.o = at(os[i], HV, V);
+    return p;
+  };
+  std::string impl;
+  for (int64_t t = 0; t < Tn; ++t) impl = dgps::cuda::decode(step(0, t), ws, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "eager decode");
+  cudaStream_t s;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+  for (int64_t t = 0; t < Tn; ++t) dgps::cuda::decode(step(1, t), ws, s);
+  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
+  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  check_cuda(cudaGraphLaunch(ge, s), "graph launch");
+  check_cuda(cudaStreamSynchronize(s), "graph replay");
+  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+  const std::string name = std::string("decode/graph/") + model + "/N" + std::to_string(N);
+  auto same = [&](const DevBuf& x, const DevBuf& y, size_t n, const char* what) {
+    const auto u = download(x, n, DType::f32), w = download(y, n, DType::f32);
+    report_check(std::memcmp(u.data(), w.data(), n * sizeof(double)) == 0,
+                 name + ": " + what + " of the graph replay equals the eager calls' bit for bit (" + impl + ")");
+  };
+  same(os[0], os[1], size_t(N * Tn * HV * V), "o");
+  same(hs[0], hs[1], h0.size(), "h");
+  report(name, "o", dgps_test::rel_err(download(os[1], size_t(N * Tn * HV * V), DType::f32), ref.at("o")), 1e-4, impl);
+  report(name, "h", dgps_test::rel_err(download(hs[1], h0.size(), DType::f32), ref.at("hT")), 1e-4, impl);
+  if (diag_p) {
+    same(as[0], as[1], a0.size(), "a");
+    report(name, "a", dgps_test::rel_err(download(as[1], a0.size(), DType::f32), ref.at("aT")), 1e-4, impl);
+  }
+}
+
 /// dgps::forward / dgps::decode with float32 device pointers pick the CUDA backend automatically.
 void public_api() {
   Case c = make_random("pgdn", {.batch = 1, .time = 150, .heads = 2, .v_heads = 4, .key_dim = 64, .value_dim = 32},
@@ -344,6 +420,8 @@ int main(int argc, char** argv) {
       }
     decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
     decode_case("kda", 2, DType::f32, seed++, ws, 66);
+    for (const char* m : {"gdn", "pgdn"})
+      for (int64_t n : {2, 40}) decode_graph_case(m, n, seed++, ws);
     public_api();
     backward_tests(ws, quick);
   } catch (const std::exception& e) {
