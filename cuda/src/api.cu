@@ -106,8 +106,8 @@ kernels::RecArgs make_args(const Params& p) {
 
 template <class Tin>
 cudaError_t launch_typed(const kernels::RecArgs& a, cudaStream_t stream, bool decode, bool warp, const char** impl) {
-  if (warp) return kernels::launch_recurrent<Tin>(a, stream, impl);
-  return decode ? kernels::launch_decode<Tin>(a, stream, impl) : kernels::launch_forward<Tin>(a, stream, impl);
+  if (decode) return kernels::launch_decode<Tin>(a, stream, impl, warp);
+  return warp ? kernels::launch_recurrent<Tin>(a, stream, impl) : kernels::launch_forward<Tin>(a, stream, impl);
 }
 
 /// DGPS_CUDA_KERNEL=warp forces the warp-per-column kernel (a testing knob; default: automatic).
@@ -259,16 +259,10 @@ const char* decode(const Params& p, Workspace& ws, void* stream) {
   a.hT = const_cast<float*>(a.h0);
   for (int d = 0; d < 3; ++d) a.shT[d] = a.sh0[d];
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.precond != kernels::kPrecondIdentity) {
-    // Several warps read a key head's statistics and one writes them back: read a private copy.
-    float* copy = static_cast<float*>(ws.get(sizeof(float) * size_t(p.N) * size_t(p.H) * size_t(p.K)));
-    throw_on(kernels::launch_gather_precond_state(a.a0, a.sa0, p.slots, a.N, a.H, a.K, copy, s),
-             "precond state copy");
+  if (a.precond != kernels::kPrecondIdentity) {  // statistics in place; scratch for a private copy
     a.aT = const_cast<float*>(a.a0);
     for (int d = 0; d < 3; ++d) a.saT[d] = a.sa0[d];
-    a.a0 = copy;
-    a.sa0[0] = int64_t(p.H) * p.K, a.sa0[1] = p.K, a.sa0[2] = 1;
-    a.a0_by_sequence = true;
+    a.a_copy = static_cast<float*>(ws.get(sizeof(float) * size_t(p.N) * size_t(p.H) * size_t(p.K)));
   }
   return launch(a, p.dtype, s, true);
 }

@@ -29,6 +29,12 @@ struct RecArgs {
   int decay = kDecayNone, precond = kPrecondIdentity, gate_dtype = 0;
   bool online = true, l2norm = true;
   bool a0_by_sequence = false;  ///< a0 is indexed by sequence (a private copy), not by slot
+  /// Decode scratch of N * H * K floats for a private copy of the statistics a0 (where the kernel
+  /// cannot order its reads of a0 before the write of aT, see launch_decode), or null.
+  float* a_copy = nullptr;
+  /// The block-row kernel runs in clusters that hold every block reading a key head's statistics:
+  /// they all read a0 before a cluster barrier, the one writing aT (= a0, in place) writes after it.
+  bool cluster_a = false;
   float scale = 1, log_x = 0, eps = 0;
 };
 
@@ -41,9 +47,10 @@ cudaError_t launch_recurrent(const RecArgs& a, cudaStream_t stream, const char**
 template <class Tin>
 cudaError_t launch_forward(const RecArgs& a, cudaStream_t stream, const char** impl);
 
-/// Launches the decode kernel (a few tokens per sequence, states in place through h0/a0 = hT/aT).
+/// Launches the decode kernels (a few tokens per sequence, states in place through h0/a0 = hT/aT;
+/// with a diagonal preconditioner a.a_copy is scratch for N * H * K floats). `warp`: the warp kernel.
 template <class Tin>
-cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** impl);
+cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** impl, bool warp = false);
 
 /// Copies a[slots[n], h, :] of a state pool into dst[n, h, :] (contiguous), before an in-place decode.
 cudaError_t launch_gather_precond_state(const float* a, const int64_t* sa, const int64_t* slots, int N, int H, int K,

@@ -3,6 +3,6 @@
 
 namespace dgps::cuda::kernels {
 template cudaError_t launch_recurrent<__half>(const RecArgs&, cudaStream_t, const char**);
-template cudaError_t launch_decode<__half>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_decode<__half>(const RecArgs&, cudaStream_t, const char**, bool);
 template cudaError_t launch_forward<__half>(const RecArgs&, cudaStream_t, const char**);
 }  // namespace dgps::cuda::kernels

@@ -3,6 +3,6 @@
 
 namespace dgps::cuda::kernels {
 template cudaError_t launch_recurrent<float>(const RecArgs&, cudaStream_t, const char**);
-template cudaError_t launch_decode<float>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_decode<float>(const RecArgs&, cudaStream_t, const char**, bool);
 template cudaError_t launch_forward<float>(const RecArgs&, cudaStream_t, const char**);
 }  // namespace dgps::cuda::kernels

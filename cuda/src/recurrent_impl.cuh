@@ -41,6 +41,28 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+/// The thread block cluster barrier (sm_90+), split: arrive (ordering this thread's earlier memory
+/// accesses before it) and wait (ordering its later ones after every thread of the cluster arrived).
+/// Every thread of every block of the cluster must call both, arrive first. No-ops before sm_90.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+/// True when the current device is sm_90 or newer (dependent launches, thread block clusters).
+inline bool sm90_or_newer() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major >= 9;
+}
+
 /// True when the current device runs programmatic dependent launches (sm_90 and newer) and
 /// DGPS_CUDA_PDL=0 (a testing knob) does not turn them off.
 inline bool programmatic_launch_supported() {
@@ -48,29 +70,34 @@ inline bool programmatic_launch_supported() {
     const char* e = std::getenv("DGPS_CUDA_PDL");
     return e && e[0] == '0';
   }();
-  if (off) return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major >= 9;
+  return !off && sm90_or_newer();
 }
 
 /// Launches `kernel` on `stream`; `dependent`: as a programmatic dependent launch (the kernel must call
 /// grid_dependency_sync() before reading global memory). In a CUDA graph capture it becomes a
-/// programmatic edge, so replays keep the early scheduling.
+/// programmatic edge, so replays keep the early scheduling. `cluster`: thread block cluster
+/// dimensions (sm_90+; they divide `grid`), or 1 x 1 x 1 for none.
 template <class... Params, class... Args>
 cudaError_t launch_maybe_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                   bool dependent, Args&&... args) {
+                                   bool dependent, dim3 cluster, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (dependent) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x, attr[n].val.clusterDim.y = cluster.y, attr[n].val.clusterDim.z = cluster.z;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = dependent ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
@@ -356,7 +383,7 @@ cudaError_t launch_variant(const RecArgs& a, cudaStream_t stream) {
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
   const size_t smem = StageLayout<KT, KS>::bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
   return launch_maybe_dependent(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream,
-                                programmatic_launch_supported(), a);
+                                programmatic_launch_supported(), dim3(1, 1, 1), a);
 }
 
 /// Picks the rows-per-thread split: one thread per column when the grid already fills the GPU

@@ -139,7 +139,8 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// which means the same). Equal to `forward` with h0 = hT = state. On sm_90 and newer the kernels are
 /// programmatic dependent launches (also inside a CUDA graph capture): their blocks are scheduled
 /// while the previous kernel on the stream finishes and wait for it before reading anything
-/// (DGPS_CUDA_PDL=0 turns this off). Returns "cuda/decode/v64" or "cuda/decode/v32" (one token),
+/// (DGPS_CUDA_PDL=0 turns this off); with a diagonal preconditioner and a small batch each key head's
+/// blocks form a thread block cluster. Returns "cuda/decode/v64" or "cuda/decode/v32" (one token),
 /// "cuda/decode/v128" or "cuda/decode/v32" (more tokens), or the warp kernel's name; the environment
 /// variable DGPS_CUDA_DECODE_COLS=16|32|64 forces the one-token block width (testing, benchmarks).
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
