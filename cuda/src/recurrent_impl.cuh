@@ -33,7 +33,8 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 
 /// In a kernel launched as a programmatic dependent (launch_maybe_dependent): waits until the previous
 /// kernel in the stream has finished and its writes are visible, then lets the next one be scheduled.
-/// Elsewhere (an ordinary launch, or before sm_90) it returns at once. Call it before any global read.
+/// Elsewhere (an ordinary launch; a no-op in the sm_80 build) it returns at once. Call it before any
+/// global read.
 __device__ __forceinline__ void grid_dependency_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -41,9 +42,9 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
-/// The thread block cluster barrier (sm_90+), split: arrive (ordering this thread's earlier memory
+/// The thread block cluster barrier (sm_90a build), split: arrive (ordering this thread's earlier memory
 /// accesses before it) and wait (ordering its later ones after every thread of the cluster arrived).
-/// Every thread of every block of the cluster must call both, arrive first. No-ops before sm_90.
+/// Every thread of every block of the cluster must call both, arrive first. No-ops in the sm_80 build.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -55,28 +56,30 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-/// True when the current device is sm_90 or newer (dependent launches, thread block clusters).
-inline bool sm90_or_newer() {
+/// True when the current device runs the sm_90a build of the kernels (Hopper), the one compiled with
+/// grid_dependency_sync and the cluster barrier. Other GPUs run the portable build (PTX for sm_80,
+/// where both are no-ops), so the launches must not ask for dependent scheduling or clusters there.
+inline bool sm90_kernels() {
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major >= 9;
+  return major == 9;
 }
 
-/// True when the current device runs programmatic dependent launches (sm_90 and newer) and
+/// True when the kernels run as programmatic dependent launches: the sm_90a build (sm90_kernels) and
 /// DGPS_CUDA_PDL=0 (a testing knob) does not turn them off.
 inline bool programmatic_launch_supported() {
   static const bool off = [] {
     const char* e = std::getenv("DGPS_CUDA_PDL");
     return e && e[0] == '0';
   }();
-  return !off && sm90_or_newer();
+  return !off && sm90_kernels();
 }
 
 /// Launches `kernel` on `stream`; `dependent`: as a programmatic dependent launch (the kernel must call
 /// grid_dependency_sync() before reading global memory). In a CUDA graph capture it becomes a
 /// programmatic edge, so replays keep the early scheduling. `cluster`: thread block cluster
-/// dimensions (sm_90+; they divide `grid`), or 1 x 1 x 1 for none.
+/// dimensions (they divide `grid`; only where sm90_kernels()), or 1 x 1 x 1 for none.
 template <class... Params, class... Args>
 cudaError_t launch_maybe_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                    bool dependent, dim3 cluster, Args&&... args) {

@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
 }
 
 /// Launches rowblock_kernel<Tin, NCG, TG>; `dependent`: as a programmatic dependent launch (decode
-/// on sm_90 and newer), so its blocks are scheduled while the previous kernel in the stream finishes.
+/// on Hopper, see sm90_kernels), so its blocks are scheduled while the previous kernel in the stream finishes.
 template <class Tin, int NCG, int TG>
 cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool dependent = false) {
   constexpr int VT = 4 * NCG;
@@ -273,7 +273,7 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
          a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
 }
 
-/// Decode, as programmatic dependent launches on sm_90+. One token per call: 64 columns per block, or
+/// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64 columns per block, or
 /// 32 when that gives fewer than one block per SM. More tokens: 128 columns per block when that fills
 /// the GPU twice over, else 32 (more, smaller blocks for small batches). States whose rows cannot be
 /// moved 16 bytes at a time use the warp kernel.
@@ -282,52 +282,43 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
   RecArgs a = args;
   // With a diagonal preconditioner, every block of a key head reads its statistics a0 and one of them
   // writes the updated ones back in place. For small batches the 32- and 64-column one-token kernels
-  // run each key head's blocks as one thread block cluster (at most 8 blocks, sm_90+) and order the
+  // run each key head's blocks as one thread block cluster (at most 8 blocks, Hopper) and order the
   // write after the reads with the cluster barrier (PGDN B = 1 graph replay 5.0 -> 4.6 µs); elsewhere
   // the kernels read a private copy, one more small kernel (clusters made B = 64 and B = 256 slower:
   // 88 -> 100 and 300 -> 358 µs).
-  auto private_copy = [&]() {
-    const cudaError_t e = launch_gather_precond_state(a.a0, a.sa0, a.slots, a.N, a.H, a.K, a.a_copy, stream);
-    a.a0 = a.a_copy;
-    a.sa0[0] = int64_t(a.H) * a.K, a.sa0[1] = a.K, a.sa0[2] = 1;
-    a.a0_by_sequence = true;
-    return e;
-  };
-  const bool has_p = a.precond != kPrecondIdentity;
-  if (warp || !rowblock_vectorizable(a)) {
-    if (has_p) {
-      const cudaError_t e = private_copy();
-      if (e != cudaSuccess) return e;
-    }
-    return launch_recurrent<Tin>(a, stream, impl);
-  }
+  const bool has_p = a.precond != kPrecondIdentity, rows16 = !warp && rowblock_vectorizable(a);
+  const bool one_token = a.T == 1 && !a.cu_seqlens;
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  // Programmatic dependent launch (sm_90+): each call's blocks are resident and waiting when the
-  // previous kernel ends instead of being launched after it. B = 1, HV = 32, a CUDA graph of one-token
-  // calls: 3.7 -> 3.4 µs with the 32-column blocks below (64 columns, no dependent launch: 3.9).
-  const bool dependent = programmatic_launch_supported();
   // One token per call (the common case): 64 columns per block and one token staged, so four
   // blocks fit per SM and their state reads and writes overlap better (B=256: 356 -> 276 µs for GDN,
   // 384 -> 303 for PGDN; B=1: 4.2 -> 3.9 µs). Fewer than one such block per SM (small batches): 32
-  // columns, twice the blocks.
-  if (a.T == 1 && !a.cu_seqlens) {
-    // DGPS_CUDA_DECODE_COLS=16|32|64 forces the block width (a testing and benchmarking knob).
-    static const int forced = [] {
-      const char* e = std::getenv("DGPS_CUDA_DECODE_COLS");
-      return e ? std::atoi(e) : 0;
-    }();
-    const int cols = forced == 16 || forced == 32 || forced == 64    ? forced
-                     : int64_t(a.N) * a.HV * ((a.V + 63) / 64) < sms ? 32
-                                                                     : 64;
-    if (has_p) {
-      const int64_t xblocks = (a.V + cols - 1) / cols, blocks = int64_t(a.N) * a.HV * xblocks;
-      a.cluster_a = cols >= 32 && xblocks * a.group <= 8 && blocks <= 4 * int64_t(sms) && sm90_or_newer();
-      if (!a.cluster_a) {
-        const cudaError_t e = private_copy();
-        if (e != cudaSuccess) return e;
-      }
+  // columns, twice the blocks. DGPS_CUDA_DECODE_COLS=16|32|64 forces the width (a testing knob).
+  static const int forced = [] {
+    const char* e = std::getenv("DGPS_CUDA_DECODE_COLS");
+    return e ? std::atoi(e) : 0;
+  }();
+  const int cols = forced == 16 || forced == 32 || forced == 64    ? forced
+                   : int64_t(a.N) * a.HV * ((a.V + 63) / 64) < sms ? 32
+                                                                   : 64;
+  if (has_p) {
+    const int64_t xblocks = (a.V + cols - 1) / cols, blocks = int64_t(a.N) * a.HV * xblocks;
+    a.cluster_a = rows16 && one_token && cols >= 32 && xblocks * a.group <= 8 && blocks <= 4 * int64_t(sms) &&
+                  sm90_kernels();
+    if (!a.cluster_a) {  // the private copy
+      const cudaError_t e = launch_gather_precond_state(a.a0, a.sa0, a.slots, a.N, a.H, a.K, a.a_copy, stream);
+      if (e != cudaSuccess) return e;
+      a.a0 = a.a_copy;
+      a.sa0[0] = int64_t(a.H) * a.K, a.sa0[1] = a.K, a.sa0[2] = 1;
+      a.a0_by_sequence = true;
     }
+  }
+  if (!rows16) return launch_recurrent<Tin>(a, stream, impl);
+  // Programmatic dependent launch (Hopper): each call's blocks are resident and waiting when the
+  // previous kernel ends instead of being launched after it. B = 1, HV = 32, a CUDA graph of one-token
+  // calls: 3.7 -> 3.4 µs with the 32-column blocks (64 columns, no dependent launch: 3.9).
+  const bool dependent = programmatic_launch_supported();
+  if (one_token) {
     if (cols == 16) {
       *impl = "cuda/decode/v16";
       return launch_rowblock_variant<Tin, 4, 1>(a, stream, dependent);
@@ -338,10 +329,6 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
     }
     *impl = "cuda/decode/v64";
     return launch_rowblock_variant<Tin, 16, 1>(a, stream, dependent);
-  }
-  if (has_p) {
-    const cudaError_t e = private_copy();
-    if (e != cudaSuccess) return e;
   }
   const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 127) / 128);
   if (blocks >= 2 * sms) {

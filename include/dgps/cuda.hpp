@@ -136,7 +136,7 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// Decode: `p.T` (1 to a few) new tokens for each of `p.B` sequences (`p.N == p.B`, no cu_seqlens),
 /// continuing from the states `p.h0`/`p.a0` (a pool of states addressed through `p.slots`, or one
 /// per sequence) and writing them back in place (`p.hT`/`p.aT` must equal `p.h0`/`p.a0` or be null,
-/// which means the same). Equal to `forward` with h0 = hT = state. On sm_90 and newer the kernels are
+/// which means the same). Equal to `forward` with h0 = hT = state. On Hopper (sm_90) the kernels are
 /// programmatic dependent launches (also inside a CUDA graph capture): their blocks are scheduled
 /// while the previous kernel on the stream finishes and wait for it before reading anything
 /// (DGPS_CUDA_PDL=0 turns this off); with a diagonal preconditioner and a small batch each key head's
