@@ -273,10 +273,10 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
          a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
 }
 
-/// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64 columns per block, or
-/// 32 when that gives fewer than one block per SM. More tokens: 128 columns per block when that fills
-/// the GPU twice over, else 32 (more, smaller blocks for small batches). States whose rows cannot be
-/// moved 16 bytes at a time use the warp kernel.
+/// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64
+/// columns per block, or 32 when that gives fewer than one block per SM. More tokens: 128 columns per
+/// block when that fills the GPU twice over, else 32 (more, smaller blocks for small batches). States
+/// whose rows cannot be moved 16 bytes at a time use the warp kernel.
 template <class Tin>
 cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char** impl, bool warp) {
   RecArgs a = args;
