@@ -31,8 +31,8 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
-/// In a kernel launched as a programmatic dependent (launch_maybe_dependent): waits until the previous
-/// kernel in the stream has finished and its writes are visible, then lets the next one be scheduled.
+/// In a kernel launched as a programmatic dependent (launch_ex): waits until the previous kernel in
+/// the stream has finished and its writes are visible, then lets the next one be scheduled.
 /// Elsewhere (an ordinary launch; a no-op in the sm_80 build) it returns at once. Call it before any
 /// global read.
 __device__ __forceinline__ void grid_dependency_sync() {
@@ -76,13 +76,14 @@ inline bool programmatic_launch_supported() {
   return !off && sm90_kernels();
 }
 
-/// Launches `kernel` on `stream`; `dependent`: as a programmatic dependent launch (the kernel must call
-/// grid_dependency_sync() before reading global memory). In a CUDA graph capture it becomes a
-/// programmatic edge, so replays keep the early scheduling. `cluster`: thread block cluster
-/// dimensions (they divide `grid`; only where sm90_kernels()), or 1 x 1 x 1 for none.
+/// Launches `kernel` on `stream` with the launch attributes asked for. `dependent`: as a programmatic
+/// dependent launch (the kernel must call grid_dependency_sync() before reading global memory); in a
+/// CUDA graph capture it becomes a programmatic edge, so replays keep the early scheduling.
+/// `cluster`: thread block cluster dimensions (they divide `grid`; only where sm90_kernels()), or
+/// 1 x 1 x 1 for none.
 template <class... Params, class... Args>
-cudaError_t launch_maybe_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                   bool dependent, dim3 cluster, Args&&... args) {
+cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      bool dependent, dim3 cluster, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -385,8 +386,8 @@ cudaError_t launch_variant(const RecArgs& a, cudaStream_t stream) {
   constexpr int VT = 32 / KS;
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
   const size_t smem = StageLayout<KT, KS>::bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
-  return launch_maybe_dependent(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream,
-                                programmatic_launch_supported(), dim3(1, 1, 1), a);
+  return launch_ex(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream, programmatic_launch_supported(),
+                   dim3(1, 1, 1), a);
 }
 
 /// Picks the rows-per-thread split: one thread per column when the grid already fills the GPU

@@ -262,8 +262,7 @@ cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool 
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
   // a.cluster_a: one cluster per (key head, sequence), all its column blocks and value heads.
   const dim3 cluster = a.cluster_a ? dim3(grid.x, a.group, 1) : dim3(1, 1, 1);
-  return launch_maybe_dependent(rowblock_kernel<Tin, NCG, TG>, grid, dim3(kRowThreads), 0, stream, dependent, cluster,
-                                a);
+  return launch_ex(rowblock_kernel<Tin, NCG, TG>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
 }
 
 /// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).

@@ -16,8 +16,8 @@ __global__ void gather_precond_state(const float* a, int64_t s0, int64_t s1, con
 
 cudaError_t launch_gather_precond_state(const float* a, const int64_t* sa, const int64_t* slots, int N, int H, int K,
                                         float* dst, cudaStream_t stream) {
-  return launch_maybe_dependent(gather_precond_state, dim3(H, N), dim3(128), 0, stream, programmatic_launch_supported(),
-                                dim3(1, 1, 1), a, sa[0], sa[1], slots, H, K, dst);
+  return launch_ex(gather_precond_state, dim3(H, N), dim3(128), 0, stream, programmatic_launch_supported(),
+                   dim3(1, 1, 1), a, sa[0], sa[1], slots, H, K, dst);
 }
 
 }  // namespace dgps::cuda::kernels
