@@ -245,6 +245,66 @@ struct Bench {
     return r;
   }
 
+  /// The T sweep (GDN, chunkwise, B = 1) in interleaved rounds: every round times one call of every
+  /// (T, threads) pair in turn, so a burst of load from the machine's other tenants lands on one call
+  /// of many cases instead of every repetition of one; each case reports its median over max(reps, 5)
+  /// rounds, then a summary line per thread count gives the slowest over the fastest time per token,
+  /// of the medians and of each case's best round (the other tenants' load only ever adds time, so
+  /// the best round is the closest to the kernel's own cost on a shared machine).
+  void sweep(const std::vector<int64_t>& Ts, int64_t H, int64_t K) {
+    std::vector<std::unique_ptr<Problem>> ps;
+    for (int64_t t : Ts) ps.push_back(std::make_unique<Problem>(1, t, H, K, K));
+    const int rounds = std::max(args.reps, 5);
+    struct Case {
+      const Problem* p;
+      int threads;
+      std::vector<double> t;
+      dgps::RunInfo info;
+    };
+    std::vector<Case> cases;
+    for (const auto& p : ps)
+      for (int th : args.threads) cases.push_back({p.get(), th, {}, {}});
+    auto run = [](Case& c) {
+      auto in = c.p->inputs<dgps::GDN>();
+      auto out = dgps::outputs<float>(const_cast<float*>(c.p->o.data()));
+      dgps::Options opt;
+      opt.backend = dgps::Backend::cpu;
+      opt.algorithm = dgps::Algorithm::chunkwise;
+      opt.threads = c.threads;
+      const auto t0 = Clock::now();
+      c.info = dgps::forward<dgps::GDN>(in, out, opt);
+      return seconds_since(t0);
+    };
+    for (auto& c : cases) run(c);  // warm-up
+    for (int r = 0; r < rounds; ++r) {
+      std::fprintf(stderr, "sweep: round %d of %d\n", r + 1, rounds);
+      for (auto& c : cases) c.t.push_back(run(c));
+    }
+    for (int th : args.threads) {
+      double lo = 0, hi = 0, lo_best = 0, hi_best = 0;  // fastest and slowest time per token
+      for (auto& c : cases) {
+        if (c.threads != th) continue;
+        std::sort(c.t.begin(), c.t.end());
+        const Problem& p = *c.p;
+        Record rec{"sweep", "gdn", dgps::to_string(c.info.algorithm), c.info.impl, p.B, p.T, p.H, p.K, p.V, th};
+        rec.seconds = c.t[c.t.size() / 2];
+        rec.tokens_per_s = double(p.B * p.T) / rec.seconds;
+        rec.gflops = flops_per_token_head<dgps::GDN>(p.K, p.V, 64) * double(p.B * p.T * p.H) / rec.seconds * 1e-9;
+        rec.pct_peak = 100.0 * rec.gflops / peak_for(th);
+        print(rec);
+        const double per_token = rec.seconds / double(p.T);
+        const double best = c.t.front() / double(p.T);
+        lo = lo == 0 ? per_token : std::min(lo, per_token);
+        hi = std::max(hi, per_token);
+        lo_best = lo_best == 0 ? best : std::min(lo_best, best);
+        hi_best = std::max(hi_best, best);
+      }
+      std::printf("sweep    gdn      %d thread(s), T = %ld .. %ld, %d interleaved rounds: slowest / fastest time per "
+                  "token %.3f (medians), %.3f (best rounds)\n",
+                  th, long(Ts.front()), long(Ts.back()), rounds, hi / lo, hi_best / lo_best);
+    }
+  }
+
   template <class R>
   void prefill(const char* group, const char* model, const Problem& p, bool with_recurrent) {
     for (int th : args.threads) {
@@ -512,10 +572,7 @@ struct Bench {
     if (want("sweep")) {
       const std::vector<int64_t> Ts = args.quick ? std::vector<int64_t>{1024, 4096}
                                                  : std::vector<int64_t>{1024, 2048, 4096, 8192, 16384, 32768, 65536};
-      for (int64_t t : Ts) {
-        const Problem p(1, t, H, K, K);
-        for (int th : args.threads) print(forward<dgps::GDN>("sweep", "gdn", p, th, dgps::Algorithm::chunkwise, args.reps));
-      }
+      sweep(Ts, H, K);
     }
     write_json();
   }
