@@ -6,6 +6,8 @@
 /// bytes count the unavoidable traffic: every input read once, o and the final states written once
 /// (decode: the state read and written; backward: the inputs and do read, the gradients written).
 /// Backward rows also record the bytes of workspace dgps::cuda::backward needs (`mem_bytes`).
+/// argv[2] filters: the models whose names it contains (e.g. `gdn` runs gdn and pgdn); with `fwd` in
+/// it, only the forward rows; `none` runs only the decode rows.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -342,11 +344,14 @@ int main(int argc, char** argv) {
     if (dgps::cuda::supports(dgps::model_by_name(m), dgps::Algorithm::chunkwise))
       bench_forward(m, 8, 2048, 16, 128, 128, dgps::Algorithm::recurrent);
   }
+  // "fwd" in the filter: the forward rows only (no training or decode rows).
+  const bool fwd_only = only.find("fwd") != std::string::npos;
   const std::pair<const char*, std::pair<int64_t, int64_t>> training[] = {
       {"pgdn", {8, 2048}}, {"gdn", {8, 2048}}, {"pgdn", {1, 32768}}, {"pkda", {8, 2048}}, {"kda", {8, 2048}}};
   for (const auto& [m, bt] : training)
-    if (only.empty() || only.find(m) != std::string::npos) bench_backward(m, bt.first, bt.second, 16);
+    if (!fwd_only && (only.empty() || only.find(m) != std::string::npos)) bench_backward(m, bt.first, bt.second, 16);
   for (const char* m : {"gdn", "pgdn"}) {
+    if (fwd_only) break;
     bench_decode(m, 1, 16, 32, 128, 128, true);
     bench_decode(m, 64, 16, 32, 128, 128, false);
     bench_decode(m, 256, 16, 32, 128, 128, false);

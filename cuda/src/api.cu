@@ -231,8 +231,23 @@ const char* run_chunkwise(const kernels::ChunkArgs& c, DType d, cudaStream_t s) 
   return impl;
 }
 
+/// DGPS_CUDA_RAW_QK=0 keeps the intra-chunk kernel's Qn / KWn tiles where the raw rows could be read
+/// (a testing and benchmarking knob; default: raw rows where they apply).
+bool raw_rows_allowed() {
+  const char* e = std::getenv("DGPS_CUDA_RAW_QK");
+  return !(e && std::string(e) == "0");
+}
+
 const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
   kernels::ChunkArgs c = make_chunk_args(p, a);
+  // The state pass reads q and k rows straight from the inputs (ChunkArgs::raw_q) where they are its
+  // operands already: 16-bit, 128 keys, 16-byte rows, the decays per token (not per channel); and
+  // only in its 8-warp configuration (many heads). With a producer warp (few, long sequences) the
+  // strided raw rows made it slower: B=1 T=32768 GDN 1.28 -> 1.80 ms, against B=8 T=2048 0.478 -> 0.470.
+  const bool raw = raw_rows_allowed() && p.dtype != DType::f32 && p.K == kernels::kChunkKeys && c.vec_qk &&
+                   a.decay != kernels::kDecayDiagonal && kernels::state_value_tile(a, c.Vpad) == 128;
+  c.raw_q = raw && a.precond != kernels::kPrecondATQ;
+  c.raw_kw = raw && a.precond != kernels::kPrecondATK;
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);
   return run_chunkwise(c, p.dtype, s);

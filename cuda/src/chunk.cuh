@@ -65,9 +65,9 @@ static_assert(sizeof(uint16_t) * C * LDK >= sizeof(uint16_t) * 4 * 16 * 24, "the
 static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8) + 4 * 16 * 24),
               "the gamma tile holds the v tile and the solve's scratch");
 /// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,
-/// KW (C x 128 each), U (C x VT), P (C x C) and the decays (C floats of gamma, or with Diagonal decay
-/// 128 floats of e^gamma_C).
-constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 2 * KP; }
+/// KW (C x 128 each), U (C x VT), P (C x C) and 192 floats of row factors: C of gamma and 2 C of the
+/// raw rows' inverse norms (ChunkArgs::raw_q), or with Diagonal decay 128 of e^gamma_C.
+constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C * LDC + 3 * KP; }
 /// Dynamic shared memory of the state kernel: `stages` tile buffers, the state's operand copy, R and
 /// R ⊙ e^(gamma_C - gamma).
 constexpr size_t state_smem_bytes(int VT, int stages = 2) {
@@ -142,6 +142,13 @@ struct ChunkArgs {
   float* egC = nullptr;    ///< [chunk_bound, HV, 128] Diagonal decay: e^gamma_C per key channel
   float2* sums = nullptr;  ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
   float* Ain = nullptr;    ///< [chunk_bound, H, 128] statistics entering each chunk
+  /// Forward only, 16-bit inputs of the operand type, K = 128, 16-byte rows, scalar or no decay: the
+  /// state pass copies the raw q rows (raw_q: no DiagonalATQ) and k rows as the write key (raw_kw: no
+  /// DiagonalATK) from the inputs instead of the intra-chunk kernel's Qn and KWn tiles (which are then
+  /// neither allocated nor written: 16 KB less traffic per tile each), and applies the rows' inverse
+  /// norms (and q's scale) to its accumulator rows; the intra-chunk kernel writes the norms to `rn`.
+  bool raw_q = false, raw_kw = false;
+  float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
   // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
@@ -164,6 +171,10 @@ struct ChunkArgs {
 /// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null,
 /// also points `c`'s workspace pointers into it (base must be 256-byte aligned).
 size_t chunk_workspace(ChunkArgs& c, void* base);
+
+/// Value columns per block of the forward's state pass (128 with 8 warps, or 64, 32, 16 with 4 compute
+/// warps and a producer warp): the widest tile that still gives every SM a block and fits the device.
+int state_value_tile(const RecArgs& a, int Vpad);
 
 /// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, every decay,
 /// K <= 128, V <= 128, and the device has the shared memory of the smallest variant

@@ -15,6 +15,17 @@ size_t chunk_max_smem() {
   return static_cast<size_t>(bytes);
 }
 
+int state_value_tile(const RecArgs& a, int Vpad) {
+  int sms = 132, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t heads = int64_t(a.N) * a.HV;
+  const size_t smem = chunk_max_smem();
+  if (Vpad == 128 && heads >= sms * 9 / 10 && layout::state_smem_bytes(128) <= smem) return 128;  // a block per head
+  if (heads * (Vpad / 64) >= sms && layout::state_smem_bytes(64) <= smem) return 64;
+  if (heads * (Vpad / 32) >= sms && layout::state_smem_bytes(32) <= smem) return 32;
+  return 16;
+}
+
 bool chunk_covers(const RecArgs& a) {
   const size_t need = std::max(layout::intra_smem_bytes(true, true), layout::state_smem_bytes(16));
   return a.K <= kChunkKeys && a.V <= kChunkMaxV && chunk_max_smem() >= need;
@@ -40,8 +51,9 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   c.map = reinterpret_cast<int2*>(take(a.cu_seqlens ? sizeof(int2) * size_t(c.chunk_bound) : 0));
   c.first = reinterpret_cast<int64_t*>(take(a.cu_seqlens ? sizeof(int64_t) * size_t(a.N + 1) : 0));
   c.W = a.online || c.bwd ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
-  c.Qn = take(op * tiles * kChunk * kChunkKeys);
-  c.KWn = take(op * tiles * kChunk * kChunkKeys);
+  c.Qn = c.raw_q ? nullptr : take(op * tiles * kChunk * kChunkKeys);
+  c.KWn = c.raw_kw ? nullptr : take(op * tiles * kChunk * kChunkKeys);
+  c.rn = c.raw_q || c.raw_kw ? reinterpret_cast<float*>(take(sizeof(float) * tiles * 2 * kChunk)) : nullptr;
   c.U = take(op * tiles * kChunk * size_t(c.Vpad));
   c.P = take(op * tiles * kChunk * kChunk);
   c.gam = reinterpret_cast<float*>(take(sizeof(float) * tiles * kChunk));

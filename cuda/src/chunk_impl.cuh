@@ -242,6 +242,10 @@ __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
       const int e = threadIdx.x + it * kThreads, r = e / PR, c8 = (e % PR) * 8;
+      if constexpr (std::is_same_v<Tin, Op>) {  // the operand type already: no conversion
+        *reinterpret_cast<uint4*>(dst + r * ld + c8) = raw[it][0];
+        continue;
+      }
       const Tin* x = reinterpret_cast<const Tin*>(raw[it]);
       alignas(16) Op out[8];
 #pragma unroll
@@ -610,6 +614,14 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   const Tin* k = static_cast<const Tin*>(a.k);
   const Tin* v = static_cast<const Tin*>(a.v);
 
+  // The v rows are staged only after the solve: start bringing them into L2 now (one 128-byte line
+  // per thread and step) so that the late stage_rows finds them there.
+  {
+    const char* v0 = reinterpret_cast<const char*>(v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2]);
+    const int lines = (a.V * int(sizeof(Tin)) + 127) / 128;
+    for (int e = tid; e < L * lines; e += kThreads)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(v0 + (e / lines) * a.sv[1] * int64_t(sizeof(Tin)) + (e % lines) * 128));
+  }
   // Gates of the chunk's tokens; rows past L: g = 0, beta = 0 (they write nothing).
   if (tid < C) {
     float g = 0.f, be = 0.f, gp = 1.f, bp = 0.f;  // gp holds exp(g_p)
@@ -649,10 +661,13 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   __syncthreads();
   {
     // Backward mode with `rq`: the inverse norms of the chunk's rows (one value head per key head writes).
+    // Raw rows for the state pass (ca.rn): every row's inverse norm (rows past L are zero rows there).
     const bool inv = ca.rq && hv % a.group == 0;
     const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
-    normalise_rows(sQ, a.l2norm, a.scale, inv ? ca.rq + row0 * a.H + h : nullptr, a.H, L);
-    normalise_rows(sK, a.l2norm, 1.f, inv ? ca.rk + row0 * a.H + h : nullptr, a.H, L);
+    float* rn = ca.rn ? ca.rn + (gc * a.HV + hv) * 2 * C : nullptr;
+    normalise_rows(sQ, a.l2norm, a.scale, inv ? ca.rq + row0 * a.H + h : rn, inv ? a.H : 1, inv ? L : C);
+    normalise_rows(sK, a.l2norm, 1.f, inv ? ca.rk + row0 * a.H + h : rn ? rn + C : nullptr, inv ? a.H : 1,
+                   inv ? L : C);
   }
   if (warp == 0) {  // gamma: cumulative log decay within the chunk (warp scan, two tokens per lane)
     float g0 = s_gam[2 * lane], g1 = g0 + s_gam[2 * lane + 1];
@@ -736,8 +751,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
         continue;
       }
-      *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-      *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+      if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+      if (!ca.raw_kw)
+        *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
       if (ca.bwd)  // the read keys
         *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
             *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
@@ -886,14 +902,21 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   }
   // Tm = Tinv Diag(beta) (Offline: Diag(beta)); backward mode: Tm = T2 = Tinv (Offline: I), also
   // written to the workspace.
+  // Eight entries per thread and step, read 16 bytes at a time (in place for atk_nd: the same slots).
   Op* T2 = ca.bwd ? static_cast<Op*>(ca.T2) + (gc * a.HV + hv) * C * C : nullptr;
+  static_assert(C * C / 8 % kThreads == 0, "whole steps");
+#pragma unroll
   for (int e = tid; e < C * C / 8; e += kThreads) {
     const int i = e / (C / 8), j0 = (e % (C / 8)) * 8;
+    // Tinv below the diagonal (groups of 8 columns left of i lie in blocks the solve wrote).
+    uint4 th = make_uint4(0, 0, 0, 0);
+    if (a.online && j0 < i) th = *reinterpret_cast<const uint4*>(sTh + i * LDC + j0);
+    const __half* th8 = reinterpret_cast<const __half*>(&th);
     alignas(16) Op t8[8];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int j = j0 + jj;
-      const float t = i == j ? 1.f : (a.online && i > j ? __half2float(sTh[i * LDC + j]) : 0.f);
+      const float t = i == j ? 1.f : (i > j ? __half2float(th8[jj]) : 0.f);
       t8[jj] = from_float<Op>(ca.bwd ? t : t * s_beta[j]);
     }
     *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = *reinterpret_cast<const uint4*>(t8);
@@ -927,6 +950,10 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
+/// cp_async16 that reads `bytes` (16 or 0) from src and zero-fills the rest of the 16 bytes.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() {
@@ -954,6 +981,22 @@ __device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src,
       const int r = e / PR, c8 = (e % PR) * 8;
       cp_async16(dst + r * sld + c8, src + r * gld + c8);
     }
+  }
+}
+
+/// Starts the asynchronous copy of a chunk's C rows of 128 16-bit elements from global memory (row
+/// stride gld) to shared memory (row stride sld) with NT threads (32: the calling warp); rows from
+/// `valid` on are zero-filled and nothing is read for them (past a sequence's end, or the tensor's).
+template <int NT, class Op>
+__device__ __forceinline__ void copy_rows_zfill_async(Op* dst, int sld, const Op* src, int64_t gld, int valid) {
+  constexpr int PR = KP / 8, RS = NT / PR;
+  static_assert(NT % PR == 0, "whole rows per pass");
+  const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);
+  const int r0 = t / PR, c8 = (t % PR) * 8;
+#pragma unroll 4
+  for (int r = r0; r < C; r += RS) {
+    const bool ok = r < valid;
+    cp_async16_zfill(dst + r * sld + c8, src + (ok ? r : 0) * gld + c8, ok ? 16 : 0);
   }
 }
 
@@ -1080,8 +1123,18 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     Op* buf = sBuf + bi * BUF;
     const int64_t tile = ((first + ci) * a.HV + hv) * C;
     if (a.online) copy_tile_async<KP, CT>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
-    copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
-    copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    if constexpr (std::is_same_v<Tin, Op>) {  // raw rows of the inputs (ChunkArgs::raw_q, raw_kw)
+      const int rows = static_cast<int>(imin64(C, len - ci * C));
+      const int64_t t = bos + ci * C, h = hv / a.group;
+      if (ca.raw_q)
+        copy_rows_zfill_async<CT>(buf + C * LDK, LDK,
+                                  static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2], a.sq[1], rows);
+      if (ca.raw_kw)
+        copy_rows_zfill_async<CT>(buf + 2 * C * LDK, LDK,
+                                  static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2], a.sk[1], rows);
+    }
+    if (!ca.raw_q) copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    if (!ca.raw_kw) copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
     copy_tile_async<VT, CT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
     copy_tile_async<C, CT>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
     // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
@@ -1091,6 +1144,9 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     else
       copy_tile_async<2 * C, CT>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
                                  reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+    if (ca.rn)  // the raw rows' inverse norms (2 C floats) after gamma
+      copy_tile_async<4 * C, CT>(buf + 3 * C * LDK + C * LDV + C * LDC + 2 * C, 4 * C,
+                                 reinterpret_cast<const Op*>(ca.rn + 2 * tile), 4 * C, 1);
     if (!PROD) cp_commit();
   };
   using Pipe = ProducerPipe<NBUF, THREADS>;
@@ -1152,6 +1208,7 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     const Op* sP = sU + C * LDV;
     const float* sG =
         reinterpret_cast<const float*>(sP + C * LDC);  // gamma of the chunk's tokens (Diagonal: e^gamma_C)
+    const float* sRn = sG + C;                           // raw rows: inverse norms of q, then of k
     const float gl = diag ? 0.f : sG[L - 1], gC = __expf(gl);
     const int64_t vtile = ((first + ci) * a.HV + hv) * int64_t(ca.Vpad);  // (chunk, head) tile, in rows of Vpad
     if (CKPT) store_tile<VT, THREADS>(static_cast<Op*>(ca.S0) + vtile * KP + v0, ca.Vpad, sS, LDV, KP);
@@ -1184,9 +1241,11 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     // e^(gamma_C - gamma_i), zero past L.
     const int ra = acc_row(m0, 0), rb = ra + 8;
     // (Diagonal decay: the intra-chunk kernel applied both per channel to Q and KW.)
-    const float eo[2] = {diag ? 1.f : __expf(sG[ra]), diag ? 1.f : __expf(sG[rb])};
-    float es[2] = {ra < L ? (diag ? 1.f : __expf(gl - sG[ra])) : 0.f,
-                   rb < L ? (diag ? 1.f : __expf(gl - sG[rb])) : 0.f};
+    // Raw rows (ChunkArgs::raw_q, raw_kw): their inverse norms (and q's scale) join these factors.
+    const float eo[2] = {diag ? 1.f : __expf(sG[ra]) * (ca.raw_q ? sRn[ra] * a.scale : 1.f),
+                         diag ? 1.f : __expf(sG[rb]) * (ca.raw_q ? sRn[rb] * a.scale : 1.f)};
+    float es[2] = {ra < L ? (diag ? 1.f : __expf(gl - sG[ra]) * (ca.raw_kw ? sRn[C + ra] : 1.f)) : 0.f,
+                   rb < L ? (diag ? 1.f : __expf(gl - sG[rb]) * (ca.raw_kw ? sRn[C + rb] : 1.f)) : 0.f};
     if (CKPT) {  // R = r here: the update's rows get the gains (loaded one chunk ahead)
       es[0] *= gain_next[0], es[1] *= gain_next[1];
       if (ci + 1 < count) load_gains(ci + 1, gain_next);
@@ -1306,27 +1365,17 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  // Value tile: the widest that still gives every SM a block (one block per SM fits).
-  int sms = 132;
-  int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int64_t heads = int64_t(a.N) * a.HV;
-  const size_t smem = chunk_max_smem();
-  if (ca.Vpad == 128 && heads >= sms * 9 / 10 && state_smem_bytes(128) <= smem) {  // one block per head
-    *impl = "cuda/chunkwise/v128";
-    return launch_state<Tin, Op, 128, 8>(ca, stream);
-  }
-  if (heads * (ca.Vpad / 64) >= sms && state_smem_bytes(64) <= smem) {
-    *impl = "cuda/chunkwise/v64";
-    return launch_state<Tin, Op, 64>(ca, stream);
-  }
-  if (heads * (ca.Vpad / 32) >= sms && state_smem_bytes(32) <= smem) {
-    *impl = "cuda/chunkwise/v32";
-    return launch_state<Tin, Op, 32>(ca, stream);
+  switch (state_value_tile(a, ca.Vpad)) {
+    case 128:
+      *impl = ca.raw_q || ca.raw_kw ? "cuda/chunkwise/v128/raw" : "cuda/chunkwise/v128";
+      return launch_state<Tin, Op, 128, 8>(ca, stream);
+    case 64: *impl = "cuda/chunkwise/v64"; return launch_state<Tin, Op, 64>(ca, stream);
+    case 32: *impl = "cuda/chunkwise/v32"; return launch_state<Tin, Op, 32>(ca, stream);
+    default: break;
   }
   *impl = "cuda/chunkwise/v16";
   // Three buffers (the producer two chunks ahead) where they fit (Hopper), else two.
-  if (state_smem_bytes(16, 3) <= smem) return launch_state<Tin, Op, 16, 4, 3>(ca, stream);
+  if (state_smem_bytes(16, 3) <= chunk_max_smem()) return launch_state<Tin, Op, 16, 4, 3>(ca, stream);
   return launch_state<Tin, Op, 16>(ca, stream);
 }
 

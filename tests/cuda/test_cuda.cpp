@@ -46,8 +46,9 @@ Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, 
 double tolerance(DType d) { return d == DType::f32 && g_alg != dgps::Algorithm::chunkwise ? 1e-4 : 2e-2; }
 
 /// Compares GPU output (type d) with the reference on the inputs the GPU saw, and with `gold` if given.
-void compare(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
-             const Arrays* gold) {
+/// Returns the variant that ran.
+std::string compare(const std::string& name, const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
+                    const Arrays* gold) {
   std::string impl;
   const Arrays got = gpu_forward(c, d, gd, ws, &impl);
   const Arrays ref = reference_forward(rounded(c, d, gd));
@@ -60,6 +61,7 @@ void compare(const std::string& name, const Case& c, DType d, DType gd, dgps::cu
     }
     report(name + "/" + dgps::cuda::to_string(d), t, err, tolerance(d), impl);
   }
+  return impl;
 }
 
 void conformance(dgps::cuda::Workspace& ws) {
@@ -211,6 +213,24 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
                             {}, seed++);
     compare(std::string("chunk/") + m + "/B8H16HV32", wide, DType::bf16, DType::f32, ws, nullptr);
   }
+  // The state pass's raw q / k rows (16-bit inputs, K = 128, enough heads for its 8-warp variant;
+  // ChunkArgs::raw_q): varlen with an empty and a one-token sequence (rows past a sequence's end are
+  // zero-filled, the last chunk's also past the tensor's end), GVA, the norm off with another scale
+  // (models without the delta rule); then the same problems with DGPS_CUDA_RAW_QK=0 (the intra-chunk
+  // kernel's Qn / KWn tiles).
+  for (const char* raw : {"1", "0"}) {
+    setenv("DGPS_CUDA_RAW_QK", raw, 1);
+    const std::string tag = std::string("chunk/raw") + raw + "/";
+    for (const char* m : {"gdn", "pgdn", "pmamba2", "mamba2"}) {
+      Case c = make_random(m, {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+                           {0, 1, 70, 70, 200, 300}, seed++);
+      if (std::string(m).find("mamba2") != std::string::npos) c.opt.l2norm_qk = false, c.opt.scale = 0.03;
+      const std::string impl = compare(tag + m + "/varlen_K128", c, DType::bf16, DType::bf16, ws, nullptr);
+      report_check((impl.find("/raw") != std::string::npos) == (raw[0] == '1'), tag + m + ": variant " + impl);
+      compare(tag + m + "/varlen_K128", c, DType::f16, DType::f32, ws, nullptr);
+    }
+  }
+  unsetenv("DGPS_CUDA_RAW_QK");
   // Forced chunkwise where it does not apply (V > 128): a dgps::Error naming the reason.
   for (const auto& [m, V] : {std::pair<const char*, int64_t>{"kda", 192}, {"gdn", 192}}) {
     Case c = make_random(m, {.batch = 1, .time = 70, .heads = 1, .v_heads = 1, .key_dim = 64, .value_dim = V}, {},
