@@ -308,7 +308,8 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
   p.slots = static_cast<const int64_t*>(sl.p);
   const std::string impl = dgps::cuda::decode(p, ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "decode");
-  const std::string name = std::string("decode/") + model + "/T" + std::to_string(Tn) + "/" + dgps::cuda::to_string(d);
+  const std::string name = std::string("decode/") + model + "/T" + std::to_string(Tn) + "/N" + std::to_string(N) + "/" +
+                           dgps::cuda::to_string(d);
   report(name, "o", dgps_test::rel_err(download(o, size_t(N * Tn * HV * V), d), ref.at("o")), tolerance(d), impl);
   report(name, "h", dgps_test::rel_err(download(hp, hpool.size(), DType::f32), hexp), tolerance(d), impl);
   if (diag_p)
@@ -438,10 +439,12 @@ int main(int argc, char** argv) {
         decode_case(m, Tn, DType::f32, seed++, ws);
         if (!quick) decode_case(m, Tn, DType::bf16, seed++, ws);
       }
+    // Large batches: a preconditioner's statistics read from a private copy (not a cluster barrier).
     decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
+    decode_case("pgdn", 3, DType::f32, seed++, ws, 200);
     decode_case("kda", 2, DType::f32, seed++, ws, 66);
     for (const char* m : {"gdn", "pgdn"})
-      for (int64_t n : {2, 40}) decode_graph_case(m, n, seed++, ws);
+      for (int64_t n : {2, 40, 200}) decode_graph_case(m, n, seed++, ws);
     public_api();
     backward_tests(ws, quick);
   } catch (const std::exception& e) {
