@@ -15,9 +15,12 @@
 ///   5. `state_kernel`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
 ///      O = Diag(e^gamma) Q S + P R, S <- e^gamma_C S + KW^T Diag(e^(gamma_C - gamma)) R with the state
 ///      in float32 registers (its bf16 copy feeds the tensor cores); the decays scale accumulator rows.
-///      The value tile is the widest that still gives every SM a block. With 4 compute warps (value
-///      tiles of 16-64 columns: few sequences, long ones) a fifth warp copies the chunk tiles ahead
-///      (ProducerPipe in chunk_impl.cuh); with 8 the compute warps copy one chunk ahead themselves.
+///      The value tile is the widest that still gives every SM a block (state_value_tile). The 8-warp
+///      pass reads q and k rows straight from 16-bit inputs where they are its operands (raw_q,
+///      raw_kw: K = 128, per-token decays), and the intra kernel then writes their inverse norms
+///      instead of the Q and KW tiles. With 4 compute warps (value tiles of 16-64 columns: few
+///      sequences, long ones) a fifth warp copies the chunk tiles ahead (ProducerPipe in
+///      chunk_impl.cuh); with 8 the compute warps copy one chunk ahead themselves.
 #pragma once
 
 #include <cstddef>
