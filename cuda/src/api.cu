@@ -211,6 +211,7 @@ kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   c.chunks_per_seq = p.cu_seqlens ? 0 : per;
   c.chunk_bound = p.cu_seqlens ? per + p.N : p.B * per;
   c.Vpad = static_cast<int>((p.V + 63) / 64 * 64);
+  c.state_vt = kernels::state_value_tile(a, c.Vpad);
   c.vec_qk = vec_rows(p.q, p.K) && vec_rows(p.k, p.K);
   c.vec_v = vec_rows(p.v, p.V);
   c.pair_o = pair_rows(p.o, p.dtype);
@@ -245,7 +246,7 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
   // only in its 8-warp configuration (many heads). With a producer warp (few, long sequences) the
   // strided raw rows made it slower: B=1 T=32768 GDN 1.28 -> 1.80 ms, against B=8 T=2048 0.478 -> 0.470.
   const bool raw = raw_rows_allowed() && p.dtype != DType::f32 && p.K == kernels::kChunkKeys && c.vec_qk &&
-                   a.decay != kernels::kDecayDiagonal && kernels::state_value_tile(a, c.Vpad) == 128;
+                   a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
   c.raw_q = raw && a.precond != kernels::kPrecondATQ;
   c.raw_kw = raw && a.precond != kernels::kPrecondATK;
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));

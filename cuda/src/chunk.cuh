@@ -133,6 +133,7 @@ struct ChunkArgs {
   int64_t chunks_per_seq = 0;  ///< ceil(T / C) when cu_seqlens is null
   int64_t chunk_bound = 0;     ///< grid size in chunks: B * ceil(T / C), or ceil(T / C) + N with cu_seqlens
   int Vpad = 0;                ///< V rounded up to 64 (row length of U in the workspace)
+  int state_vt = 0;            ///< value columns per block of the state pass (state_value_tile)
   bool vec_qk = false;         ///< q and k rows can be read 16 bytes at a time (aligned, K % 8 == 0)
   bool vec_v = false;          ///< v rows can be read 16 bytes at a time
   bool pair_o = false;         ///< o can be written two adjacent elements at a time (pair_rows)

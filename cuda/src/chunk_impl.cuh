@@ -1389,7 +1389,7 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  switch (state_value_tile(a, ca.Vpad)) {
+  switch (ca.state_vt) {
     case 128:
       *impl = ca.raw_q || ca.raw_kw ? "cuda/chunkwise/v128/raw" : "cuda/chunkwise/v128";
       return launch_state<Tin, Op, 128, 8>(ca, stream);
