@@ -226,23 +226,36 @@ struct Bench {
     records.push_back(r);
   }
 
+  /// Options that run on the CPU backend with `threads` threads and algorithm `alg`.
+  static dgps::Options cpu_options(int threads, dgps::Algorithm alg = dgps::Algorithm::automatic) {
+    dgps::Options opt;
+    opt.backend = dgps::Backend::cpu;
+    opt.algorithm = alg;
+    opt.threads = threads;
+    return opt;
+  }
+
+  /// The record of a forward of model R on `p` (what ran: `info`) that took `seconds`.
+  template <class R>
+  Record forward_record(const char* group, const char* model, const dgps::RunInfo& info, const Problem& p, int threads,
+                        double seconds) const {
+    Record r{group, model, dgps::to_string(info.algorithm), info.impl, p.B, p.T, p.H, p.K, p.V, threads};
+    r.seconds = seconds;
+    r.tokens_per_s = double(p.B * p.T) / seconds;
+    r.gflops = flops_per_token_head<R>(p.K, p.V, dgps::Options{}.chunk_size) * double(p.B * p.T * p.H) / seconds * 1e-9;
+    r.pct_peak = 100.0 * r.gflops / peak_for(threads);
+    return r;
+  }
+
   template <class R>
   Record forward(const char* group, const char* model, const Problem& p, int threads, dgps::Algorithm alg,
                  int reps) {
     auto in = p.inputs<R>();
     auto out = dgps::outputs<float>(const_cast<float*>(p.o.data()));
-    dgps::Options opt;
-    opt.backend = dgps::Backend::cpu;
-    opt.algorithm = alg;
-    opt.threads = threads;
+    const dgps::Options opt = cpu_options(threads, alg);
     dgps::RunInfo info;
     const double s = time_median(reps, [&] { info = dgps::forward<R>(in, out, opt); });
-    Record r{group, model, dgps::to_string(info.algorithm), info.impl, p.B, p.T, p.H, p.K, p.V, threads};
-    r.seconds = s;
-    r.tokens_per_s = double(p.B * p.T) / s;
-    r.gflops = flops_per_token_head<R>(p.K, p.V, opt.chunk_size) * double(p.B * p.T * p.H) / s * 1e-9;
-    r.pct_peak = 100.0 * r.gflops / peak_for(threads);
-    return r;
+    return forward_record<R>(group, model, info, p, threads, s);
   }
 
   /// The T sweep (GDN, chunkwise, B = 1) in interleaved rounds: every round times one call of every
@@ -267,10 +280,7 @@ struct Bench {
     auto run = [](Case& c) {
       auto in = c.p->inputs<dgps::GDN>();
       auto out = dgps::outputs<float>(const_cast<float*>(c.p->o.data()));
-      dgps::Options opt;
-      opt.backend = dgps::Backend::cpu;
-      opt.algorithm = dgps::Algorithm::chunkwise;
-      opt.threads = c.threads;
+      const dgps::Options opt = cpu_options(c.threads, dgps::Algorithm::chunkwise);
       const auto t0 = Clock::now();
       c.info = dgps::forward<dgps::GDN>(in, out, opt);
       return seconds_since(t0);
@@ -286,11 +296,7 @@ struct Bench {
         if (c.threads != th) continue;
         std::sort(c.t.begin(), c.t.end());
         const Problem& p = *c.p;
-        Record rec{"sweep", "gdn", dgps::to_string(c.info.algorithm), c.info.impl, p.B, p.T, p.H, p.K, p.V, th};
-        rec.seconds = c.t[c.t.size() / 2];
-        rec.tokens_per_s = double(p.B * p.T) / rec.seconds;
-        rec.gflops = flops_per_token_head<dgps::GDN>(p.K, p.V, 64) * double(p.B * p.T * p.H) / rec.seconds * 1e-9;
-        rec.pct_peak = 100.0 * rec.gflops / peak_for(th);
+        const Record rec = forward_record<dgps::GDN>("sweep", "gdn", c.info, p, th, c.t[c.t.size() / 2]);
         print(rec);
         const double per_token = rec.seconds / double(p.T);
         const double best = c.t.front() / double(p.T);
@@ -348,10 +354,7 @@ struct Bench {
     auto in = p.inputs<R>();
     GradBuffers g;
     g.template init<R>(p);
-    dgps::Options opt;
-    opt.backend = dgps::Backend::cpu;
-    opt.algorithm = alg;
-    opt.threads = threads;
+    const dgps::Options opt = cpu_options(threads, alg);
     auto gin = dgps::grads_in<float>(p.d_o.data());
     if (cache) gin.use_saved(*cache);
     return time_median(reps, [&] { info = dgps::backward<R>(in, gin, g.gr, opt); });
@@ -362,10 +365,7 @@ struct Bench {
   double time_forward_saving(const Problem& p, int threads, int reps, dgps::TrainingCache& cache) {
     auto in = p.inputs<R>();
     auto out = dgps::outputs<float>(const_cast<float*>(p.o.data())).save_for_backward(cache);
-    dgps::Options opt;
-    opt.backend = dgps::Backend::cpu;
-    opt.algorithm = dgps::Algorithm::chunkwise;
-    opt.threads = threads;
+    const dgps::Options opt = cpu_options(threads, dgps::Algorithm::chunkwise);
     return time_median(reps, [&] { dgps::forward<R>(in, out, opt); });
   }
 
@@ -439,9 +439,7 @@ struct Bench {
     }
     std::vector<double> out;
     for (int th : args.threads) {
-      dgps::Options opt;
-      opt.backend = dgps::Backend::cpu;
-      opt.threads = th;
+      const dgps::Options opt = cpu_options(th);
       dgps::RunInfo info;
       const int inner = 200;
       const double s = time_median(args.reps, [&] {
@@ -469,10 +467,7 @@ struct Bench {
     std::vector<dgps::bf16> o16(p.o.size());
     for (int th : args.threads) {
       const Record f = forward<R>("prefill", model, p, th, dgps::Algorithm::chunkwise, args.reps);
-      dgps::Options opt;
-      opt.backend = dgps::Backend::cpu;
-      opt.algorithm = dgps::Algorithm::chunkwise;
-      opt.threads = th;
+      const dgps::Options opt = cpu_options(th, dgps::Algorithm::chunkwise);
       dgps::RunInfo info;
       const auto out16 = dgps::outputs<dgps::bf16>(o16.data());
       const double s = time_median(args.reps, [&] { info = dgps::forward<R>(in16, out16, opt); });

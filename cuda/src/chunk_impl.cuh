@@ -217,6 +217,18 @@ __global__ void chunk_map_kernel(const ChunkArgs ca) {
   for (int64_t gc = ca.first[N] + threadIdx.x; gc < ca.chunk_bound; gc += blockDim.x) ca.map[gc] = make_int2(-1, 0);
 }
 
+/// Inclusive prefix sums over a chunk's C = 64 values held two per lane (values 2 lane and 2 lane + 1
+/// in g0, g1) by one warp: on return g0 and g1 are the sums through those positions.
+__device__ __forceinline__ void warp_scan_pairs(float& g0, float& g1, int lane) {
+  static_assert(C == 64, "two values per lane");
+  g1 += g0;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const float up = __shfl_up_sync(0xffffffffu, g1, d);
+    if (lane >= d) g0 += up, g1 += up;
+  }
+}
+
 /// Stages the chunk's rows of one head of a [B, T, heads, D] tensor into shared memory as operand
 /// type Op, row-major [C][ld], zero past L rows and past D columns (COLS >= D, a multiple of 16).
 /// `row0` points at the chunk's first row of that head, `rs` is the row (token) stride. With `vec`
@@ -322,12 +334,8 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
   normalise_rows<Op, false>(sK, a.l2norm, 1.f, s_rn, 1, C);  // the rows' inverse norms only
   __syncthreads();
   if (tid < 32) {  // G_j = sum_{l <= j} g_p,l (two rows per lane), then w_j = e^(G_C - G_j) beta_p,j / |k_j|^2
-    float g0 = s_g[2 * lane], g1 = g0 + s_g[2 * lane + 1];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const float up = __shfl_up_sync(0xffffffffu, g1, d);
-      if (lane >= d) g0 += up, g1 += up;
-    }
+    float g0 = s_g[2 * lane], g1 = s_g[2 * lane + 1];
+    warp_scan_pairs(g0, g1, lane);
     const float tot = __shfl_sync(0xffffffffu, g1, 31);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -643,8 +651,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   {
     const char* v0 = reinterpret_cast<const char*>(v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2]);
     const int lines = (a.V * int(sizeof(Tin)) + 127) / 128;
+    const int64_t row_bytes = a.sv[1] * int64_t(sizeof(Tin));
     for (int e = tid; e < L * lines; e += kThreads)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(v0 + (e / lines) * a.sv[1] * int64_t(sizeof(Tin)) + (e % lines) * 128));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(v0 + (e / lines) * row_bytes + (e % lines) * 128));
   }
   // Gates of the chunk's tokens; rows past L: g = 0, beta = 0 (they write nothing).
   if (tid < C) {
@@ -694,12 +703,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
                    inv ? L : C);
   }
   if (warp == 0) {  // gamma: cumulative log decay within the chunk (warp scan, two tokens per lane)
-    float g0 = s_gam[2 * lane], g1 = g0 + s_gam[2 * lane + 1];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const float up = __shfl_up_sync(0xffffffffu, g1, d);
-      if (lane >= d) g0 += up, g1 += up;
-    }
+    float g0 = s_gam[2 * lane], g1 = s_gam[2 * lane + 1];
+    warp_scan_pairs(g0, g1, lane);
     s_gam[2 * lane] = g0, s_gam[2 * lane + 1] = g1;
   }
   __syncthreads();
@@ -1147,18 +1152,20 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     Op* buf = sBuf + bi * BUF;
     const int64_t tile = ((first + ci) * a.HV + hv) * C;
     if (a.online) copy_tile_async<KP, CT>(buf, LDK, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
-    if constexpr (std::is_same_v<Tin, Op>) {  // raw rows of the inputs (ChunkArgs::raw_q, raw_kw)
-      const int rows = static_cast<int>(imin64(C, len - ci * C));
-      const int64_t t = bos + ci * C, h = hv / a.group;
-      if (ca.raw_q)
-        copy_rows_zfill_async<CT>(buf + C * LDK, LDK,
-                                  static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2], a.sq[1], rows);
-      if (ca.raw_kw)
-        copy_rows_zfill_async<CT>(buf + 2 * C * LDK, LDK,
-                                  static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2], a.sk[1], rows);
-    }
-    if (!ca.raw_q) copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
-    if (!ca.raw_kw) copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    // q and k rows of the inputs (ChunkArgs::raw_q, raw_kw: 16-bit inputs, zero past the sequence),
+    // else the intra kernel's tiles.
+    const int rows = static_cast<int>(imin64(C, len - ci * C));
+    const int64_t t = bos + ci * C, h = hv / a.group;
+    if (ca.raw_q)
+      copy_rows_zfill_async<CT>(buf + C * LDK, LDK,
+                                static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2], a.sq[1], rows);
+    else
+      copy_tile_async<KP, CT>(buf + C * LDK, LDK, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    if (ca.raw_kw)
+      copy_rows_zfill_async<CT>(buf + 2 * C * LDK, LDK,
+                                static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2], a.sk[1], rows);
+    else
+      copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
     copy_tile_async<VT, CT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
     copy_tile_async<C, CT>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
     // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
