@@ -229,41 +229,64 @@ __device__ __forceinline__ void warp_scan_pairs(float& g0, float& g1, int lane) 
   }
 }
 
+/// The chunk's rows of one head of a [B, T, heads, D] tensor as one thread holds them between its
+/// loads and its stores to shared memory (16-byte rows, D % 8 == 0; COLS >= D, a multiple of 16).
+template <class Tin, int COLS>
+struct RowLoads {
+  static constexpr int PR = COLS / 8;             // 8-element groups per row
+  static constexpr int IT = C * PR / kThreads;    // groups per thread
+  static constexpr int W = sizeof(Tin) * 8 / 16;  // 16-byte words per group (1, or 2 for float)
+  static constexpr int RS = kThreads / PR;        // rows between a thread's successive groups
+  static_assert(C * PR % kThreads == 0 && kThreads % PR == 0, "tile must split evenly");
+  uint4 raw[IT][W];
+};
+
+/// Issues this thread's loads of the rows (`row0`: the chunk's first row of the head, `rs`: the row
+/// stride), zero past L rows and past D columns.
+template <class Tin, int COLS>
+__device__ __forceinline__ void load_rows(RowLoads<Tin, COLS>& s, const Tin* row0, int64_t rs, int L, int D) {
+  using R = RowLoads<Tin, COLS>;
+  const int r0 = threadIdx.x / R::PR, c8 = (threadIdx.x % R::PR) * 8;
+  const Tin* src = row0 + r0 * rs + c8;
+#pragma unroll
+  for (int it = 0; it < R::IT; ++it, src += R::RS * rs) {
+    const int r = r0 + it * R::RS;
+#pragma unroll
+    for (int w = 0; w < R::W; ++w)
+      s.raw[it][w] = (r < L && c8 < D) ? reinterpret_cast<const uint4*>(src)[w] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/// Stores the loaded rows into shared memory as operand type Op, row-major [C][ld].
+template <class Tin, class Op, int COLS>
+__device__ __forceinline__ void store_rows(Op* dst, int ld, const RowLoads<Tin, COLS>& s) {
+  using R = RowLoads<Tin, COLS>;
+#pragma unroll
+  for (int it = 0; it < R::IT; ++it) {
+    const int e = threadIdx.x + it * kThreads, r = e / R::PR, c8 = (e % R::PR) * 8;
+    if constexpr (std::is_same_v<Tin, Op>) {  // the operand type already: no conversion
+      *reinterpret_cast<uint4*>(dst + r * ld + c8) = s.raw[it][0];
+      continue;
+    }
+    const Tin* x = reinterpret_cast<const Tin*>(s.raw[it]);
+    alignas(16) Op out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = from_float<Op>(to_float(x[j]));
+    *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(out);
+  }
+}
+
 /// Stages the chunk's rows of one head of a [B, T, heads, D] tensor into shared memory as operand
 /// type Op, row-major [C][ld], zero past L rows and past D columns (COLS >= D, a multiple of 16).
 /// `row0` points at the chunk's first row of that head, `rs` is the row (token) stride. With `vec`
 /// (16-byte aligned rows, D % 8 == 0) every thread issues all its loads before converting.
 template <class Tin, class Op, int COLS>
 __device__ __forceinline__ void stage_rows(Op* dst, int ld, const Tin* row0, int64_t rs, int L, int D, bool vec) {
-  constexpr int PR = COLS / 8;             // 8-element groups per row
-  constexpr int IT = C * PR / kThreads;    // groups per thread
-  constexpr int W = sizeof(Tin) * 8 / 16;  // 16-byte words per group (1, or 2 for float)
-  static_assert(C * PR % kThreads == 0 && kThreads % PR == 0, "tile must split evenly");
+  constexpr int PR = COLS / 8;  // 8-element groups per row
   if (vec) {
-    uint4 raw[IT][W];
-    constexpr int RS = kThreads / PR;  // rows between a thread's successive groups
-    const int r0 = threadIdx.x / PR, c8 = (threadIdx.x % PR) * 8;
-    const Tin* src = row0 + r0 * rs + c8;
-#pragma unroll
-    for (int it = 0; it < IT; ++it, src += RS * rs) {
-      const int r = r0 + it * RS;
-#pragma unroll
-      for (int w = 0; w < W; ++w)
-        raw[it][w] = (r < L && c8 < D) ? reinterpret_cast<const uint4*>(src)[w] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const int e = threadIdx.x + it * kThreads, r = e / PR, c8 = (e % PR) * 8;
-      if constexpr (std::is_same_v<Tin, Op>) {  // the operand type already: no conversion
-        *reinterpret_cast<uint4*>(dst + r * ld + c8) = raw[it][0];
-        continue;
-      }
-      const Tin* x = reinterpret_cast<const Tin*>(raw[it]);
-      alignas(16) Op out[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) out[j] = from_float<Op>(to_float(x[j]));
-      *reinterpret_cast<uint4*>(dst + r * ld + c8) = *reinterpret_cast<const uint4*>(out);
-    }
+    RowLoads<Tin, COLS> s;
+    load_rows(s, row0, rs, L, D);
+    store_rows<Tin, Op, COLS>(dst, ld, s);
     return;
   }
   for (int e = threadIdx.x; e < C * PR; e += kThreads) {
@@ -321,15 +344,18 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
   const int h = blockIdx.y;
   const ChunkPos p = chunk_pos(ca, gc);
   if (p.n < 0) return;
+  const int tid = threadIdx.x, lane = tid & 31;
+  // The gates first (rows past L: g_p = 0, beta_p = 0; their k rows are zero too), so that their loads
+  // are in flight with the k rows' instead of waiting for them.
+  float gpv = 0.f, bpv = 0.f;
+  if (tid < p.L) {
+    const int64_t t = p.t0 + tid;
+    gpv = load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
+    bpv = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
+  }
   const Tin* k = static_cast<const Tin*>(a.k) + p.b * a.sk[0] + p.t0 * a.sk[1] + h * a.sk[2];
   stage_rows<Tin, Op, KP>(sK, LDK, k, a.sk[1], p.L, a.K, ca.vec_qk);
-  const int tid = threadIdx.x, lane = tid & 31;
-  if (tid < C) {  // rows past L: g_p = 0, beta_p = 0 (their k rows are zero too)
-    const int64_t t = p.t0 + tid;
-    const bool ok = tid < p.L;
-    s_g[tid] = ok ? load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype) : 0.f;
-    s_bp[tid] = ok ? load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype) : 0.f;
-  }
+  if (tid < C) s_g[tid] = gpv, s_bp[tid] = bpv;
   __syncthreads();
   normalise_rows<Op, false>(sK, a.l2norm, 1.f, s_rn, 1, C);  // the rows' inverse norms only
   __syncthreads();
@@ -655,6 +681,13 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     for (int e = tid; e < L * lines; e += kThreads)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(v0 + (e / lines) * row_bytes + (e % lines) * 128));
   }
+  // Diagonal preconditioner: channel tid's statistics entering the chunk and the head's center, loaded
+  // now so that their latency overlaps the staging instead of stalling the statistics' scan below.
+  float A_in = 0.f, center = 0.f;
+  if (has_p && tid < a.K) {
+    A_in = ca.Ain[(gc * a.H + h) * KP + tid];
+    center = load_gate(a.center, h, a.gate_dtype);
+  }
   // Gates of the chunk's tokens; rows past L: g = 0, beta = 0 (they write nothing).
   if (tid < C) {
     float g = 0.f, be = 0.f, gp = 1.f, bp = 0.f;  // gp holds exp(g_p)
@@ -688,8 +721,18 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // Raw q, k, v rows, then q and k normalised in place (q also scaled).
   {
     const int64_t t0 = p.t0;
-    stage_rows<Tin, Op, KP>(sQ, LDK, q + p.b * a.sq[0] + t0 * a.sq[1] + h * a.sq[2], a.sq[1], L, a.K, ca.vec_qk);
-    stage_rows<Tin, Op, KP>(sK, LDK, k + p.b * a.sk[0] + t0 * a.sk[1] + h * a.sk[2], a.sk[1], L, a.K, ca.vec_qk);
+    const Tin* q0 = q + p.b * a.sq[0] + t0 * a.sq[1] + h * a.sq[2];
+    const Tin* k0 = k + p.b * a.sk[0] + t0 * a.sk[1] + h * a.sk[2];
+    if (sizeof(Tin) == 2 && ca.vec_qk) {  // both tiles' loads in flight at once (32 registers each)
+      RowLoads<Tin, KP> rq, rk;
+      load_rows(rq, q0, a.sq[1], L, a.K);
+      load_rows(rk, k0, a.sk[1], L, a.K);
+      store_rows<Tin, Op, KP>(sQ, LDK, rq);
+      store_rows<Tin, Op, KP>(sK, LDK, rk);
+    } else {
+      stage_rows<Tin, Op, KP>(sQ, LDK, q0, a.sq[1], L, a.K, ca.vec_qk);
+      stage_rows<Tin, Op, KP>(sK, LDK, k0, a.sk[1], L, a.K, ca.vec_qk);
+    }
   }
   __syncthreads();
   {
@@ -714,8 +757,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     const int c = tid;
     Op* out = (atk ? sKWb : sQ) + c;  // column c of kw (DiagonalATK) or qr (DiagonalATQ)
     if (c < a.K) {
-      float A = ca.Ain[(gc * a.H + h) * KP + c];
-      const float center = load_gate(a.center, h, a.gate_dtype), log2_x = a.log_x * 1.44269504089f;
+      float A = A_in;
+      const float log2_x = a.log_x * 1.44269504089f;
       // 8 rows at a time: the statistics' chain first, then 8 independent squashes. Rows past L keep A
       // (g_p = 0, beta_p = 0 there) and have k = q = 0, so their kw (qr) is 0.
 #pragma unroll 1
