@@ -30,8 +30,13 @@ struct RawGroup {
 /// staged TG at a time; the loads of the next group are issued before the current group runs.
 /// With 128 columns per block (128 state floats per thread) the kernel asks for 2 blocks per SM,
 /// so its registers do not spill; otherwise 3, or 4 with one token staged (one-token decode).
-template <class Tin, int NCG, int TG>
+/// GROUPED (one-token decode): one block per (sequence, key head) instead, walking the units of its
+/// group (value head, block of VT columns) one after another; the key side (q, k, their norms, the
+/// preconditioner's statistics and squash) is staged once for all of them, and the block owns its
+/// statistics a0 / aT, so it reads and updates them in place with no copy or cluster barrier.
+template <class Tin, int NCG, int TG, bool GROUPED = false>
 __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)) rowblock_kernel(const RecArgs a) {
+  static_assert(!GROUPED || TG == 1, "grouped blocks stage one token");
   constexpr int KT = 128;                     // K <= 128, masked
   constexpr int NP = kRowThreads / NCG;       // parts (row blocks)
   constexpr int R = KT / NP;                  // rows per thread
@@ -46,10 +51,14 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
   grid_dependency_sync();  // a programmatic dependent launch (decode) waits here for the previous kernel
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int part = tid / NCG, cg = tid % NCG;
-  const int n = blockIdx.z, hv = blockIdx.y;
-  const int h = hv / a.group;
-  const int v0 = blockIdx.x * VT + 4 * cg;  // first of this thread's 4 columns
-  const bool vok = v0 < a.V;                // V % 4 == 0: all 4 or none
+  const int n = blockIdx.z;
+  const int xblocks = (a.V + VT - 1) / VT, units = GROUPED ? a.group * xblocks : 1;
+  // The unit (value head, column block) being run; GROUPED blocks move on to the next in the loop below.
+  int hv = GROUPED ? blockIdx.y * a.group : blockIdx.y, bx = GROUPED ? 0 : blockIdx.x;
+  const int h = GROUPED ? blockIdx.y : hv / a.group;
+  int v0 = bx * VT + 4 * cg;  // first of this thread's 4 columns
+  bool vok = v0 < a.V;        // V % 4 == 0: all 4 or none
+  bool keys = true;           // this pass stages the key side (always but for a GROUPED block's later units)
   const int K = a.K;
   const int64_t sidx = a.slots ? a.slots[n] : n;
   const bool has_p = a.precond != kPrecondIdentity;
@@ -63,12 +72,15 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
   }
 
   float4 S[R];
-  const float* h0 = a.h0 ? a.h0 + sidx * a.sh0[0] + hv * a.sh0[1] + v0 : nullptr;
+  auto load_state = [&] {
+    const float* h0 = a.h0 ? a.h0 + sidx * a.sh0[0] + hv * a.sh0[1] + v0 : nullptr;
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int c = part * R + i;
-    S[i] = (h0 && vok && c < K) ? *reinterpret_cast<const float4*>(h0 + c * a.sh0[2]) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+    for (int i = 0; i < R; ++i) {
+      const int c = part * R + i;
+      S[i] = (h0 && vok && c < K) ? *reinterpret_cast<const float4*>(h0 + c * a.sh0[2]) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load_state();
   const int c = tid;  // this thread's key channel in the staging phase
   float A = 0.f;
   if (has_p && a.a0 && c < K) A = a.a0[(a.a0_by_sequence ? n : sidx) * a.sa0[0] + h * a.sa0[1] + c];
@@ -91,8 +103,10 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
     for (int tt = 0; tt < TG; ++tt) {
       const int64_t tok = bos + t0 + tt;
       const bool ok = tt < nt && c < K;
-      r.k[tt] = ok ? to_float(k[b * a.sk[0] + tok * a.sk[1] + h * a.sk[2] + c]) : 0.f;
-      r.q[tt] = ok ? to_float(q[b * a.sq[0] + tok * a.sq[1] + h * a.sq[2] + c]) : 0.f;
+      if (keys) {
+        r.k[tt] = ok ? to_float(k[b * a.sk[0] + tok * a.sk[1] + h * a.sk[2] + c]) : 0.f;
+        r.q[tt] = ok ? to_float(q[b * a.sq[0] + tok * a.sq[1] + h * a.sq[2] + c]) : 0.f;
+      }
       const float g = (diag && ok) ? load_gate(a.g, b * a.sg[0] + tok * a.sg[1] + hv * a.sg[2] + c, a.gate_dtype) : 0.f;
       if (kPrefetch)
         r.g[tt] = g;
@@ -101,7 +115,7 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
     }
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      const int e = tid + j * kRowThreads, tt = e / VT, vc = blockIdx.x * VT + e % VT;
+      const int e = tid + j * kRowThreads, tt = e / VT, vc = bx * VT + e % VT;
       const float x =
           (tt < nt && vc < a.V) ? to_float(v[b * a.sv[0] + (bos + t0 + tt) * a.sv[1] + hv * a.sv[2] + vc]) : 0.f;
       if (kPrefetch)
@@ -114,7 +128,7 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
       const int64_t tok = bos + t0 + tid;
       if (a.decay == kDecayScalar) dec = load_gate(a.g, b * a.sg[0] + tok * a.sg[1] + hv * a.sg[2], a.gate_dtype);
       if (a.beta) beta = load_gate(a.beta, b * a.sbeta[0] + tok * a.sbeta[1] + hv * a.sbeta[2], a.gate_dtype);
-      if (has_p) {
+      if (has_p && keys) {
         gp = load_gate(a.g_p, b * a.sgp[0] + tok * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
         bp = load_gate(a.beta_p, b * a.sbp[0] + tok * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
       }
@@ -129,140 +143,150 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
   RawGroup<TG, NV> raw;
   if (kPrefetch && len > 0) load_group(0, raw);
 #pragma unroll 1
-  for (int64_t t0 = 0; t0 < len; t0 += TG) {
-    const int nt = static_cast<int>(len - t0 < TG ? len - t0 : TG);
-    if (!kPrefetch) load_group(t0, raw);
-    // Stage this group: raw values to shared memory, L2 norms (SPEC §1) by warp sums.
-#pragma unroll
-    for (int tt = 0; tt < TG; ++tt) {
-      const float sk = warp_sum(raw.k[tt] * raw.k[tt]);
-      const float sq = warp_sum(raw.q[tt] * raw.q[tt]);
-      if (lane == 0) s_ss[tt][0][warp] = sk, s_ss[tt][1][warp] = sq;
-      s_k[tt][c] = raw.k[tt];
-      s_q[tt][c] = raw.q[tt];
-      if (kPrefetch && diag) s_dg[tt][c] = expf(raw.g[tt]);
+  for (int u = 0; u < units; ++u) {
+    if (GROUPED && u > 0) {
+      hv = h * a.group + u / xblocks, bx = u % xblocks;
+      v0 = bx * VT + 4 * cg, vok = v0 < a.V;
+      keys = false;
+      load_state();
     }
-    if (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int e = tid + j * kRowThreads;
-        if (e < TG * VT) s_v[e / VT][e % VT] = raw.v[j];
-      }
-      if (tid < TG) {
-        s_dec[tid] = expf(raw.dec);  // exp(0) = 1 for no decay
-        s_beta[tid] = raw.beta;
-        s_gp[tid] = expf(raw.gp);
-        s_bp[tid] = raw.bp;
-      }
-    }
-    __syncthreads();
 #pragma unroll 1
-    for (int tt = 0; tt < nt; ++tt) {
-      float sk = 0.f, sq = 0.f;
+    for (int64_t t0 = 0; t0 < len; t0 += TG) {
+      const int nt = static_cast<int>(len - t0 < TG ? len - t0 : TG);
+      if (!kPrefetch) load_group(t0, raw);
+      // Stage this group: raw values to shared memory, L2 norms (SPEC §1) by warp sums.
 #pragma unroll
-      for (int w = 0; w < NW; ++w) sk += s_ss[tt][0][w], sq += s_ss[tt][1][w];
-      const float kn = s_k[tt][c] * (a.l2norm ? rsqrtf(sk + 1e-6f) : 1.f);
-      float qn = s_q[tt][c] * (a.l2norm ? rsqrtf(sq + 1e-6f) : 1.f) * a.scale;
-      float kw = kn;
-      if (has_p) {  // SPEC §2: A = exp(g_p) A + beta_p k^2, M = squash(A)
-        A = s_gp[tt] * A + s_bp[tt] * kn * kn;
-        const float M = squash(A, center, a.log_x, a.eps);
-        if (atk)
-          kw = kn * M;
-        else
-          qn *= M;
+      for (int tt = 0; tt < TG && keys; ++tt) {
+        const float sk = warp_sum(raw.k[tt] * raw.k[tt]);
+        const float sq = warp_sum(raw.q[tt] * raw.q[tt]);
+        if (lane == 0) s_ss[tt][0][warp] = sk, s_ss[tt][1][warp] = sq;
+        s_k[tt][c] = raw.k[tt];
+        s_q[tt][c] = raw.q[tt];
+        if (kPrefetch && diag) s_dg[tt][c] = expf(raw.g[tt]);
       }
-      s_k[tt][c] = kn;
-      s_kw[tt][c] = kw;
-      s_q[tt][c] = qn;
-    }
-    __syncthreads();
-    if (kPrefetch && t0 + TG < len) load_group(t0 + TG, raw);  // in flight while this group runs
-    // The recurrence (SPEC §2) for this thread's R rows x 4 columns.
-#pragma unroll 1
-    for (int tt = 0; tt < nt; ++tt) {
-      const float* kr = &s_k[tt][part * R];
-      const float* kw = &s_kw[tt][part * R];
-      const float* qr = &s_q[tt][part * R];
-      const float dec = s_dec[tt];
-      if (diag) {
-        const float* dg = &s_dg[tt][part * R];
+      if (kPrefetch) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-          const float d = dg[i];
-          S[i].x *= d, S[i].y *= d, S[i].z *= d, S[i].w *= d;
+        for (int j = 0; j < NV; ++j) {
+          const int e = tid + j * kRowThreads;
+          if (e < TG * VT) s_v[e / VT][e % VT] = raw.v[j];
+        }
+        if (tid < TG) {
+          s_dec[tid] = expf(raw.dec);  // exp(0) = 1 for no decay
+          s_beta[tid] = raw.beta;
+          s_gp[tid] = expf(raw.gp);
+          s_bp[tid] = raw.bp;
         }
       }
-      const float bt = s_beta[tt];
-      const float4 vv = *reinterpret_cast<const float4*>(&s_v[tt][4 * cg]);
-      float4 delta = make_float4(bt * vv.x, bt * vv.y, bt * vv.z, bt * vv.w);
-      if (a.online) {
-        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+      __syncthreads();
+#pragma unroll 1
+      for (int tt = 0; tt < nt && keys; ++tt) {
+        float sk = 0.f, sq = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) sk += s_ss[tt][0][w], sq += s_ss[tt][1][w];
+        const float kn = s_k[tt][c] * (a.l2norm ? rsqrtf(sk + 1e-6f) : 1.f);
+        float qn = s_q[tt][c] * (a.l2norm ? rsqrtf(sq + 1e-6f) : 1.f) * a.scale;
+        float kw = kn;
+        if (has_p) {  // SPEC §2: A = exp(g_p) A + beta_p k^2, M = squash(A)
+          A = s_gp[tt] * A + s_bp[tt] * kn * kn;
+          const float M = squash(A, center, a.log_x, a.eps);
+          if (atk)
+            kw = kn * M;
+          else
+            qn *= M;
+        }
+        s_k[tt][c] = kn;
+        s_kw[tt][c] = kw;
+        s_q[tt][c] = qn;
+      }
+      __syncthreads();
+      if (kPrefetch && t0 + TG < len) load_group(t0 + TG, raw);  // in flight while this group runs
+      // The recurrence (SPEC §2) for this thread's R rows x 4 columns.
+#pragma unroll 1
+      for (int tt = 0; tt < nt; ++tt) {
+        const float* kr = &s_k[tt][part * R];
+        const float* kw = &s_kw[tt][part * R];
+        const float* qr = &s_q[tt][part * R];
+        const float dec = s_dec[tt];
+        if (diag) {
+          const float* dg = &s_dg[tt][part * R];
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            const float d = dg[i];
+            S[i].x *= d, S[i].y *= d, S[i].z *= d, S[i].w *= d;
+          }
+        }
+        const float bt = s_beta[tt];
+        const float4 vv = *reinterpret_cast<const float4*>(&s_v[tt][4 * cg]);
+        float4 delta = make_float4(bt * vv.x, bt * vv.y, bt * vv.z, bt * vv.w);
+        if (a.online) {
+          float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            const float kk = kr[i];
+            r.x = fmaf(S[i].x, kk, r.x), r.y = fmaf(S[i].y, kk, r.y);
+            r.z = fmaf(S[i].z, kk, r.z), r.w = fmaf(S[i].w, kk, r.w);
+          }
+          *reinterpret_cast<float4*>(&s_red[0][part][4 * cg]) = r;
+          __syncthreads();
+          r = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int p = 0; p < NP; ++p) {
+            const float4 x = *reinterpret_cast<const float4*>(&s_red[0][p][4 * cg]);
+            r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
+          }
+          delta = make_float4(bt * (vv.x - dec * r.x), bt * (vv.y - dec * r.y), bt * (vv.z - dec * r.z),
+                              bt * (vv.w - dec * r.w));
+        }
+        float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-          const float kk = kr[i];
-          r.x = fmaf(S[i].x, kk, r.x), r.y = fmaf(S[i].y, kk, r.y);
-          r.z = fmaf(S[i].z, kk, r.z), r.w = fmaf(S[i].w, kk, r.w);
+          const float w = kw[i], qq = qr[i];
+          S[i].x = fmaf(S[i].x, dec, w * delta.x), S[i].y = fmaf(S[i].y, dec, w * delta.y);
+          S[i].z = fmaf(S[i].z, dec, w * delta.z), S[i].w = fmaf(S[i].w, dec, w * delta.w);
+          out.x = fmaf(S[i].x, qq, out.x), out.y = fmaf(S[i].y, qq, out.y);
+          out.z = fmaf(S[i].z, qq, out.z), out.w = fmaf(S[i].w, qq, out.w);
         }
-        *reinterpret_cast<float4*>(&s_red[0][part][4 * cg]) = r;
+        float(*red)[VT] = s_red[1 + (tt & 1)];
+        *reinterpret_cast<float4*>(&red[part][4 * cg]) = out;
         __syncthreads();
-        r = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (part == 0 && vok) {
+          out = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int p = 0; p < NP; ++p) {
-          const float4 x = *reinterpret_cast<const float4*>(&s_red[0][p][4 * cg]);
-          r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
+          for (int p = 0; p < NP; ++p) {
+            const float4 x = *reinterpret_cast<const float4*>(&red[p][4 * cg]);
+            out.x += x.x, out.y += x.y, out.z += x.z, out.w += x.w;
+          }
+          Tin* op = o + b * a.so[0] + (bos + t0 + tt) * a.so[1] + hv * a.so[2] + v0;
+          op[0] = from_float<Tin>(out.x), op[1] = from_float<Tin>(out.y);
+          op[2] = from_float<Tin>(out.z), op[3] = from_float<Tin>(out.w);
         }
-        delta = make_float4(bt * (vv.x - dec * r.x), bt * (vv.y - dec * r.y), bt * (vv.z - dec * r.z),
-                            bt * (vv.w - dec * r.w));
       }
-      float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+      __syncthreads();
+    }
+
+    if (a.hT) {
+      float* hT = a.hT + sidx * a.shT[0] + hv * a.shT[1] + v0;
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const float w = kw[i], qq = qr[i];
-        S[i].x = fmaf(S[i].x, dec, w * delta.x), S[i].y = fmaf(S[i].y, dec, w * delta.y);
-        S[i].z = fmaf(S[i].z, dec, w * delta.z), S[i].w = fmaf(S[i].w, dec, w * delta.w);
-        out.x = fmaf(S[i].x, qq, out.x), out.y = fmaf(S[i].y, qq, out.y);
-        out.z = fmaf(S[i].z, qq, out.z), out.w = fmaf(S[i].w, qq, out.w);
-      }
-      float(*red)[VT] = s_red[1 + (tt & 1)];
-      *reinterpret_cast<float4*>(&red[part][4 * cg]) = out;
-      __syncthreads();
-      if (part == 0 && vok) {
-        out = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int p = 0; p < NP; ++p) {
-          const float4 x = *reinterpret_cast<const float4*>(&red[p][4 * cg]);
-          out.x += x.x, out.y += x.y, out.z += x.z, out.w += x.w;
-        }
-        Tin* op = o + b * a.so[0] + (bos + t0 + tt) * a.so[1] + hv * a.so[2] + v0;
-        op[0] = from_float<Tin>(out.x), op[1] = from_float<Tin>(out.y);
-        op[2] = from_float<Tin>(out.z), op[3] = from_float<Tin>(out.w);
+        const int cc = part * R + i;
+        if (vok && cc < K) *reinterpret_cast<float4*>(hT + cc * a.shT[2]) = S[i];
       }
     }
-    __syncthreads();
-  }
-
-  if (a.hT) {
-    float* hT = a.hT + sidx * a.shT[0] + hv * a.shT[1] + v0;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int cc = part * R + i;
-      if (vok && cc < K) *reinterpret_cast<float4*>(hT + cc * a.shT[2]) = S[i];
-    }
-  }
+  }  // units
   if (cl) cluster_wait();  // every block of the cluster has read a0 = aT
-  if (has_p && a.aT && hv % a.group == 0 && blockIdx.x == 0 && c < K) a.aT[sidx * a.saT[0] + h * a.saT[1] + c] = A;
+  const bool writer = GROUPED || (hv % a.group == 0 && blockIdx.x == 0);
+  if (has_p && a.aT && writer && c < K) a.aT[sidx * a.saT[0] + h * a.saT[1] + c] = A;
 }
 
 /// Launches rowblock_kernel<Tin, NCG, TG>; `dependent`: as a programmatic dependent launch (decode
 /// on Hopper, see sm90_kernels), so its blocks are scheduled while the previous kernel in the stream finishes.
-template <class Tin, int NCG, int TG>
+template <class Tin, int NCG, int TG, bool GROUPED = false>
 cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool dependent = false) {
   constexpr int VT = 4 * NCG;
-  const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
+  const dim3 grid = GROUPED ? dim3(1, a.H, a.N) : dim3((a.V + VT - 1) / VT, a.HV, a.N);
   // a.cluster_a: one cluster per (key head, sequence), all its column blocks and value heads.
   const dim3 cluster = a.cluster_a ? dim3(grid.x, a.group, 1) : dim3(1, 1, 1);
-  return launch_ex(rowblock_kernel<Tin, NCG, TG>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
+  return launch_ex(rowblock_kernel<Tin, NCG, TG, GROUPED>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
 }
 
 /// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).
@@ -273,7 +297,8 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
 }
 
 /// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64
-/// columns per block, or 32 when that gives fewer than one block per SM. More tokens: 128 columns per
+/// columns per block, or 32 when that gives fewer than one block per SM, and one block per (sequence,
+/// key head) walking 64-column units when there are at least four such blocks per SM. More tokens: 128 columns per
 /// block when that fills the GPU twice over, else 32 (more, smaller blocks for small batches). States
 /// whose rows cannot be moved 16 bytes at a time use the warp kernel.
 template <class Tin>
@@ -284,7 +309,7 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
   // run each key head's blocks as one thread block cluster (at most 8 blocks, Hopper) and order the
   // write after the reads with the cluster barrier (PGDN B = 1 graph replay 5.0 -> 4.6 µs); elsewhere
   // the kernels read a private copy, one more small kernel (clusters made B = 64 and B = 256 slower:
-  // 88 -> 100 and 300 -> 358 µs).
+  // 88 -> 100 and 300 -> 358 µs), except the grouped kernel below, whose blocks own their key head.
   const bool has_p = a.precond != kPrecondIdentity, rows16 = !warp && rowblock_vectorizable(a);
   const bool one_token = a.T == 1 && !a.cu_seqlens;
   int dev = 0, sms = 132;
@@ -300,7 +325,18 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
   const int cols = forced == 16 || forced == 32 || forced == 64    ? forced
                    : int64_t(a.N) * a.HV * ((a.V + 63) / 64) < sms ? 32
                                                                    : 64;
-  if (has_p) {
+  // Large batches, one token: one block per (sequence, key head) runs the group's value heads and
+  // column blocks in turn (rowblock_kernel's GROUPED), staging the key side once and owning the
+  // statistics (no private copy), when that still gives four blocks per SM. HV = 32, H = 16, one
+  // lease, against the 64-column blocks: B = 256 GDN 310 -> 290 µs, PGDN 353 -> 293; B = 64 PGDN
+  // 99 -> 86. DGPS_CUDA_DECODE_GROUPED=0|1 forces it off or on (a testing knob).
+  static const int grouped_knob = [] {
+    const char* e = std::getenv("DGPS_CUDA_DECODE_GROUPED");
+    return e ? std::atoi(e) : -1;
+  }();
+  const bool grouped = rows16 && one_token && cols == 64 &&
+                       (grouped_knob >= 0 ? grouped_knob == 1 : int64_t(a.N) * a.H >= 4 * int64_t(sms));
+  if (has_p && !grouped) {
     const int64_t xblocks = (a.V + cols - 1) / cols, blocks = int64_t(a.N) * a.HV * xblocks;
     a.cluster_a = rows16 && one_token && cols >= 32 && xblocks * a.group <= 8 && blocks <= 4 * int64_t(sms) &&
                   sm90_kernels();
@@ -325,6 +361,10 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
     if (cols == 32) {
       *impl = "cuda/decode/v32";
       return launch_rowblock_variant<Tin, 8, 1>(a, stream, dependent);
+    }
+    if (grouped) {
+      *impl = "cuda/decode/v64g";
+      return launch_rowblock_variant<Tin, 16, 1, true>(a, stream, dependent);
     }
     *impl = "cuda/decode/v64";
     return launch_rowblock_variant<Tin, 16, 1>(a, stream, dependent);

@@ -312,6 +312,10 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
                            dgps::cuda::to_string(d);
   report(name, "o", dgps_test::rel_err(download(o, size_t(N * Tn * HV * V), d), ref.at("o")), tolerance(d), impl);
   report(name, "h", dgps_test::rel_err(download(hp, hpool.size(), DType::f32), hexp), tolerance(d), impl);
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  if (Tn == 1 && N * H >= 4 * sms)  // one block per (sequence, key head) walks the group's value heads
+    report_check(impl == "cuda/decode/v64g", name + ": the grouped one-token kernel ran (" + impl + ")");
   if (diag_p)
     report(name, "a", dgps_test::rel_err(download(ap, apool.size(), DType::f32), aexp), tolerance(d), impl);
 }
@@ -445,6 +449,11 @@ int main(int argc, char** argv) {
     decode_case("kda", 2, DType::f32, seed++, ws, 66);
     for (const char* m : {"gdn", "pgdn"})
       for (int64_t n : {2, 40, 200}) decode_graph_case(m, n, seed++, ws);
+    // Larger batches (N * H >= 4 blocks per SM on an H200), one token: the grouped kernel, every decay
+    // and preconditioner, the statistics updated in place by the block that owns them.
+    for (const char* m : {"pgdn", "pkda", "kda", "gdn", "mamba2"}) decode_case(m, 1, DType::f32, seed++, ws, 300);
+    decode_case("pgdn", 1, DType::bf16, seed++, ws, 300);
+    decode_graph_case("pgdn", 300, seed++, ws);
     public_api();
     backward_tests(ws, quick);
   } catch (const std::exception& e) {
