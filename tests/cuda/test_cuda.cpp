@@ -231,6 +231,16 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
     }
   }
   unsetenv("DGPS_CUDA_RAW_QK");
+  // A diagonal preconditioner with many (sequence, key head) pairs, 16-bit inputs and K = 128 (the
+  // state pass's 8-warp variant): packed sequences with an empty one, a one-token one and whole
+  // chunks; the norm off for P-Mamba-2.
+  for (const char* m : {"pgdn", "pkda", "pmamba2"}) {
+    Case c = make_random(m, {.batch = 1, .time = 1500, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
+                         {0, 1, 1, 200, 264, 400, 700, 1000, 1200, 1500}, seed++);
+    if (std::string(m) == "pmamba2") c.opt.l2norm_qk = false, c.opt.scale = 0.03;
+    compare(std::string("chunk/") + m + "/N9H16", c, DType::bf16, DType::f32, ws, nullptr);
+    if (quick) break;
+  }
   // Forced chunkwise where it does not apply (V > 128): a dgps::Error naming the reason.
   for (const auto& [m, V] : {std::pair<const char*, int64_t>{"kda", 192}, {"gdn", 192}}) {
     Case c = make_random(m, {.batch = 1, .time = 70, .heads = 1, .v_heads = 1, .key_dim = 64, .value_dim = V}, {},
@@ -395,6 +405,66 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
   }
 }
 
+/// The chunkwise forward of a model with a diagonal preconditioner on packed sequences of 40, 0 and 64
+/// chunks (the statistics' chunk scan over more than one batch of 32 loads, an empty sequence's aT):
+/// two eager calls, then three replays of a CUDA graph captured on another stream, all giving the
+/// same o, hT and aT bit for bit, which match the float64 reference.
+void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& ws) {
+  Case c = make_random(model, {.batch = 1, .time = 6600, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128},
+                       {0, 2560, 2560, 6600}, seed);
+  const int64_t T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = 128, V = 128, N = c.N;
+  const DType d = DType::bf16;
+  g_alg = dgps::Algorithm::chunkwise;
+  DeviceCase dc(c, d, DType::f32, g_alg);
+  g_alg = dgps::Algorithm::automatic;
+  const size_t no = size_t(T * HV * V), nh = size_t(N * HV * K * V), na = size_t(N * H * K);
+  DevBuf o = poisoned(no * elem_size(d)), hT = poisoned(nh * 4), aT = poisoned(na * 4);
+  dgps::cuda::Params& p = dc.p;
+  p.o = contiguous4(o, T, HV, V);
+  p.hT = contiguous4(hT, HV, K, V);
+  p.aT = contiguous4(aT, H, K, 1);
+  const std::string name = std::string("chunk/graph/") + model;
+  std::vector<double> first[3];
+  auto check_run = [&](const std::string& run, const std::string& impl) {
+    const std::vector<double> got[3] = {download(o, no, d), download(hT, nh, DType::f32), download(aT, na, DType::f32)};
+    const char* what[3] = {"o", "hT", "aT"};
+    for (int i = 0; i < 3; ++i) {
+      if (first[i].empty()) {
+        first[i] = got[i];
+        continue;
+      }
+      report_check(std::memcmp(got[i].data(), first[i].data(), got[i].size() * sizeof(double)) == 0,
+                   name + ": " + what[i] + " of " + run + " equals the first call's bit for bit (" + impl + ")");
+    }
+  };
+  std::string impl;
+  for (int r = 0; r < 2; ++r) {
+    impl = dgps::cuda::forward(p, ws, nullptr);
+    check_cuda(cudaDeviceSynchronize(), "forward");
+    check_run("eager call " + std::to_string(r + 1), impl);
+  }
+  const Arrays ref = reference_forward(rounded(c, d, DType::f32));
+  report(name, "o", dgps_test::rel_err(first[0], ref.at("o")), tolerance(d), impl);
+  report(name, "hT", dgps_test::rel_err(first[1], ref.at("hT")), tolerance(d), impl);
+  report(name, "aT", dgps_test::rel_err(first[2], ref.at("aT")), tolerance(d), impl);
+  cudaStream_t s;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+  dgps::cuda::forward(p, ws, s);
+  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
+  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  for (int r = 0; r < 3; ++r) {
+    check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
+    check_cuda(cudaMemset(aT.p, 0xff, aT.bytes), "poison");
+    check_cuda(cudaGraphLaunch(ge, s), "graph launch");
+    check_cuda(cudaStreamSynchronize(s), "graph replay");
+    check_run("graph replay " + std::to_string(r + 1), impl);
+  }
+  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+}
+
 /// dgps::forward / dgps::decode with float32 device pointers pick the CUDA backend automatically.
 void public_api() {
   Case c = make_random("pgdn", {.batch = 1, .time = 150, .heads = 2, .v_heads = 4, .key_dim = 64, .value_dim = 32},
@@ -437,6 +507,10 @@ int main(int argc, char** argv) {
     conformance(ws);
     random_cases(ws, quick);
     chunkwise_cases(ws, quick);
+    for (const char* m : {"pgdn", "pkda"}) {
+      chunk_graph_case(m, 4242, ws);
+      if (quick) break;
+    }
     uint64_t seed = 5000;
     for (const char* m : {"pgdn", "pkda", "mamba2", "pmamba2", "gdn"})
       for (int64_t Tn : {1, 3}) {
