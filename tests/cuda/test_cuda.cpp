@@ -414,9 +414,7 @@ void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& w
                        {0, 2560, 2560, 6600}, seed);
   const int64_t T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads, K = 128, V = 128, N = c.N;
   const DType d = DType::bf16;
-  g_alg = dgps::Algorithm::chunkwise;
-  DeviceCase dc(c, d, DType::f32, g_alg);
-  g_alg = dgps::Algorithm::automatic;
+  DeviceCase dc(c, d, DType::f32, dgps::Algorithm::chunkwise);
   const size_t no = size_t(T * HV * V), nh = size_t(N * HV * K * V), na = size_t(N * H * K);
   DevBuf o = poisoned(no * elem_size(d)), hT = poisoned(nh * 4), aT = poisoned(na * 4);
   dgps::cuda::Params& p = dc.p;
