@@ -199,6 +199,38 @@ struct DeviceCase {
   }
 };
 
+/// True when two downloaded arrays hold the same bits (download's float64 values are exact and distinct
+/// for distinct bit patterns, so comparing their bytes compares the device buffers' bytes).
+inline bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+}
+
+/// A CUDA graph of the calls `record(stream)` makes, captured on a stream of its own (non-blocking);
+/// replay() launches it there and waits for it.
+class CapturedGraph {
+ public:
+  template <class F>
+  explicit CapturedGraph(F&& record) {
+    check_cuda(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "stream");
+    check_cuda(cudaStreamBeginCapture(s_, cudaStreamCaptureModeGlobal), "capture");
+    record(s_);
+    check_cuda(cudaStreamEndCapture(s_, &g_), "end capture");
+    check_cuda(cudaGraphInstantiate(&ge_, g_, 0), "instantiate");
+  }
+  ~CapturedGraph() { cudaGraphExecDestroy(ge_), cudaGraphDestroy(g_), cudaStreamDestroy(s_); }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void replay() {
+    check_cuda(cudaGraphLaunch(ge_, s_), "graph launch");
+    check_cuda(cudaStreamSynchronize(s_), "graph replay");
+  }
+
+ private:
+  cudaStream_t s_ = nullptr;
+  cudaGraph_t g_ = nullptr;
+  cudaGraphExec_t ge_ = nullptr;
+};
+
 /// A random problem of the named model (dgps_test::random_case) with the default options.
 inline Case make_random(const char* model, dgps::Shape s, std::vector<int64_t> cu, uint64_t seed,
                         const dgps_test::Gen& gen = {}) {

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -378,21 +377,12 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
   std::string impl;
   for (int64_t t = 0; t < Tn; ++t) impl = dgps::cuda::decode(step(0, t), ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "eager decode");
-  cudaStream_t s;
-  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-  for (int64_t t = 0; t < Tn; ++t) dgps::cuda::decode(step(1, t), ws, s);
-  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
-  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-  check_cuda(cudaGraphLaunch(ge, s), "graph launch");
-  check_cuda(cudaStreamSynchronize(s), "graph replay");
-  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+  CapturedGraph([&](cudaStream_t s) {
+    for (int64_t t = 0; t < Tn; ++t) dgps::cuda::decode(step(1, t), ws, s);
+  }).replay();
   const std::string name = std::string("decode/graph/") + model + "/N" + std::to_string(N);
   auto same = [&](const DevBuf& x, const DevBuf& y, size_t n, const char* what) {
-    const auto u = download(x, n, DType::f32), w = download(y, n, DType::f32);
-    report_check(std::memcmp(u.data(), w.data(), n * sizeof(double)) == 0,
+    report_check(same_bits(download(x, n, DType::f32), download(y, n, DType::f32)),
                  name + ": " + what + " of the graph replay equals the eager calls' bit for bit (" + impl + ")");
   };
   same(os[0], os[1], size_t(N * Tn * HV * V), "o");
@@ -431,7 +421,7 @@ void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& w
         first[i] = got[i];
         continue;
       }
-      report_check(std::memcmp(got[i].data(), first[i].data(), got[i].size() * sizeof(double)) == 0,
+      report_check(same_bits(got[i], first[i]),
                    name + ": " + what[i] + " of " + run + " equals the first call's bit for bit (" + impl + ")");
     }
   };
@@ -445,22 +435,13 @@ void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& w
   report(name, "o", dgps_test::rel_err(first[0], ref.at("o")), tolerance(d), impl);
   report(name, "hT", dgps_test::rel_err(first[1], ref.at("hT")), tolerance(d), impl);
   report(name, "aT", dgps_test::rel_err(first[2], ref.at("aT")), tolerance(d), impl);
-  cudaStream_t s;
-  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-  dgps::cuda::forward(p, ws, s);
-  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
-  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  CapturedGraph graph([&](cudaStream_t s) { dgps::cuda::forward(p, ws, s); });
   for (int r = 0; r < 3; ++r) {
     check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
     check_cuda(cudaMemset(aT.p, 0xff, aT.bytes), "poison");
-    check_cuda(cudaGraphLaunch(ge, s), "graph launch");
-    check_cuda(cudaStreamSynchronize(s), "graph replay");
+    graph.replay();
     check_run("graph replay " + std::to_string(r + 1), impl);
   }
-  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
 }
 
 /// dgps::forward / dgps::decode with float32 device pointers pick the CUDA backend automatically.

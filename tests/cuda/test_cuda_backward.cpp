@@ -8,7 +8,6 @@
 /// (automatic) and the float32 one (Algorithm::recurrent).
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <map>
 #include <string>
@@ -160,15 +159,12 @@ void conformance(dgps::cuda::Workspace& ws, bool quick) {
   }
 }
 
-/// True when two runs gave bitwise equal gradients (download's float64 values are exact and distinct
-/// for distinct bit patterns, so comparing their bytes compares the device buffers' bytes).
+/// True when two runs gave bitwise equal gradients (same_bits for every array).
 bool bitwise_equal(const Arrays& a, const Arrays& b) {
   if (a.size() != b.size()) return false;
   for (const auto& [n, x] : a) {
     const auto it = b.find(n);
-    if (it == b.end() || it->second.size() != x.size() ||
-        std::memcmp(x.data(), it->second.data(), x.size() * sizeof(double)) != 0)
-      return false;
+    if (it == b.end() || !same_bits(x, it->second)) return false;
   }
   return true;
 }
