@@ -76,6 +76,17 @@ constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C
 constexpr size_t state_smem_bytes(int VT, int stages = 2) {
   return sizeof(uint16_t) * (stages * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
 }
+/// The warpgroup state pass (sm_90a, forward; wgmma.cuh's blocked tiles): bytes of a column group of
+/// the tiles it copies (128 + 16 of padding), of a C x 128 tile (W, Q, KW) and of the C x C tile P.
+constexpr int kWgColGroup = 144;
+constexpr int kWgKeyTile = C / 8 * (KP / 8) * kWgColGroup;
+constexpr int kWgPTile = C / 8 * (C / 8) * kWgColGroup;
+/// Bytes of one buffer of a chunk's tiles in the warpgroup state pass with VT value columns: W, Q, KW
+/// (blocked), U (C x (VT + 8), row-major), P (blocked) and the 192 floats of row factors.
+constexpr int wg_buffer_bytes(int VT) { return 3 * kWgKeyTile + 2 * C * (VT + 8) + kWgPTile + 768; }
+/// Dynamic shared memory of the warpgroup state pass: two buffers and each warpgroup's 2 C row factors.
+constexpr size_t wg_smem_bytes(int VT) { return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 2 * C * (VT / 64); }
+static_assert(wg_smem_bytes(128) <= 232448, "the 128-column warpgroup state pass fits an H100 / H200 block");
 /// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
 constexpr size_t bwd_prep_smem_bytes() {
   return sizeof(uint16_t) * (2 * C * LDC + 3 * C * LDK) + sizeof(float) * 2 * C;

@@ -9,10 +9,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "chunk.cuh"
 #include "recurrent_impl.cuh"
+#include "wgmma.cuh"
 
 // Internal linkage: each input type's translation unit has its own copy of the non-template kernels.
 namespace dgps::cuda::kernels::chunk {
@@ -1401,6 +1403,195 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
     });
 }
 
+/// Starts the asynchronous copy (threads 0 .. NT - 1) of a chunk's C rows of COLS 16-bit elements from
+/// global memory (row stride gld) into a blocked tile at dst (wgmma.cuh; column groups of kWgColGroup
+/// bytes): eight consecutive threads copy 16 consecutive bytes of one row each, into eight different
+/// bank groups. Rows from `valid` on are zero-filled and nothing is read for them. Each thread steps
+/// one source pointer; its destination offsets are compile-time constants past its own.
+template <int COLS, int NT, class Op>
+__device__ __forceinline__ void copy_blocked_async(unsigned char* dst, const Op* src, int64_t gld, int valid) {
+  constexpr int PR = COLS / 8, RPP = NT / PR, RG = PR * kWgColGroup;  // RPP rows per pass
+  static_assert(NT % PR == 0 && RPP % 8 == 0 && C % RPP == 0, "whole row groups per pass");
+  const int t = threadIdx.x, r0 = t / PR, j = t % PR;
+  const Op* s = src + r0 * gld + 8 * j;
+  const int64_t step = RPP * gld;
+  dst += (r0 / 8) * RG + (r0 % 8) * 16 + j * kWgColGroup;
+#pragma unroll
+  for (int r = 0; r < C; r += RPP, s += step) {
+    const bool ok = r + r0 < valid;
+    cp_async16_zfill(dst + (r / 8) * RG, ok ? s : src, ok ? 16 : 0);
+  }
+}
+
+/// The forward's sequential pass (state_kernel without backward mode) on Hopper's warpgroup products
+/// (sm_90a; wgmma.cuh), for 64 x WGS value columns. It keeps the transposed state: warpgroup g holds
+/// S^T for value columns 64 g .. 64 g + 63 (64 x 128, float32) in its accumulators, so every product
+/// of the chunk takes its A operand from registers (an accumulator converted to 16 bits is an A
+/// fragment) and its B operand from the chunk's tiles, and nothing the chain produces goes through
+/// shared memory:
+///   R^T = U^T - S^T W^T and O^T = S^T Q^T (8 + 8 products of 64 x 64 x 16),
+///   O^T <- O^T Diag(e^gamma) + R^T P^T (4) and S^T <- e^gamma_C S^T + (R^T Diag(e^(gamma_C - gamma))) KW
+///   (4 of 64 x 128 x 16).
+/// The compute threads copy the next chunk's blocked W, Q, KW, P (and U, the row factors) while the
+/// current one is computed (two buffers).
+template <class Tin, class Op, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs ca) {
+#if DGPS_WGMMA
+  const RecArgs& a = ca.a;
+  constexpr int VT = 64 * WGS, NT = WGS * 128, LDV = VT + 8;
+  constexpr int CGP = kWgColGroup;   // column group of the copied tiles
+  constexpr int RGK = KP / 8 * CGP;  // row group of the C x 128 tiles
+  constexpr int RGP = C / 8 * CGP;   // row group of P
+  constexpr int BUF = wg_buffer_bytes(VT);
+  constexpr int UOFF = 3 * kWgKeyTile, POFF = UOFF + 2 * C * LDV, GOFF = POFF + kWgPTile;
+  extern __shared__ __align__(128) unsigned char smem[];
+  // The warp index through a shuffle: ptxas then knows it is uniform, and the products are not on a
+  // divergent path (which would serialise them).
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), g = warp / 4;
+  const int m0 = 16 * (warp % 4), wt = threadIdx.x % 128;
+  float* s_eo = reinterpret_cast<float*>(smem + 2 * BUF) + g * 2 * C;  // the warpgroup's row factors of O
+  float* s_es = s_eo + C;                                              // and of R's copy for the update
+  const bool diag = a.decay == kDecayDiagonal;
+  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
+  if (!a.online) {  // Offline solve: W's tiles stay zero (never copied), so R = U
+    for (int e = threadIdx.x; e < 2 * kWgKeyTile / 16; e += NT)
+      *reinterpret_cast<uint4*>(smem + (e / (kWgKeyTile / 16)) * BUF + (e % (kWgKeyTile / 16)) * 16) = uint4{};
+  }
+  auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
+    unsigned char* buf = smem + bi * BUF;
+    const int64_t tile = ((first + ci) * a.HV + hv) * C;
+    const int rows = static_cast<int>(imin64(C, len - ci * C));
+    const int64_t t = bos + ci * C, h = hv / a.group;
+    if (a.online) copy_blocked_async<KP, NT>(buf, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
+    if (ca.raw_q)
+      copy_blocked_async<KP, NT>(buf + kWgKeyTile,
+                                 static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2], a.sq[1], rows);
+    else
+      copy_blocked_async<KP, NT>(buf + kWgKeyTile, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+    if (ca.raw_kw)
+      copy_blocked_async<KP, NT>(buf + 2 * kWgKeyTile,
+                                 static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2], a.sk[1], rows);
+    else
+      copy_blocked_async<KP, NT>(buf + 2 * kWgKeyTile, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
+    copy_tile_async<VT, NT>(reinterpret_cast<Op*>(buf + UOFF), LDV,
+                            static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT, ca.Vpad, C);
+    copy_blocked_async<C, NT>(buf + POFF, static_cast<const Op*>(ca.P) + tile * C, C, C);
+    Op* sGb = reinterpret_cast<Op*>(buf + GOFF);  // gamma (C floats) and the raw rows' norms, or e^gamma_C
+    if (diag)
+      copy_tile_async<2 * KP, NT>(sGb, 2 * KP, reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP),
+                                  2 * KP, 1);
+    else
+      copy_tile_async<2 * C, NT>(sGb, 2 * C, reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+    if (ca.rn) copy_tile_async<4 * C, NT>(sGb + 2 * C, 4 * C, reinterpret_cast<const Op*>(ca.rn + 2 * tile), 4 * C, 1);
+    cp_commit();
+  };
+  if (count > 0) issue(0, 0);
+
+  // S^T: value column acc_row(m0, e) of the warpgroup (row) and key acc_col(8 i, e) (column) in ST[4 i + e].
+  float ST[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) {
+    const int c = v0 + acc_row(m0, j % 4), k = acc_col(8 * (j / 4), j % 4);
+    ST[j] = (a.h0 && k < a.K && c < a.V) ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + k * a.sh0[2] + c] : 0.f;
+  }
+  Tin* o = static_cast<Tin*>(a.o);
+  int bi = 0;
+  for (int64_t ci = 0; ci < count; ++ci) {
+    const int L = static_cast<int>(imin64(C, len - ci * C));
+    if (ci + 1 < count) {
+      sync_compute<NT>();  // every warp is done with chunk ci - 1's buffer
+      issue(ci + 1, bi ^ 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    sync_compute<NT>();  // chunk ci's copies have landed
+    wg::proxy_fence();
+    unsigned char* buf = smem + bi * BUF;
+    const uint32_t W_a = smem_addr(buf), Q_a = W_a + kWgKeyTile, KW_a = W_a + 2 * kWgKeyTile, P_a = W_a + POFF;
+    const Op* sU = reinterpret_cast<const Op*>(buf + UOFF);
+    const float* sG = reinterpret_cast<const float*>(buf + GOFF);  // gamma (Diagonal decay: e^gamma_C)
+    const float* sRn = sG + C;                                     // raw rows: inverse norms of q, then of k
+    // R^T and O^T from S^T (16-bit A fragments).
+    float rt[32], ot[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) rt[j] = ot[j] = 0.f;
+    {
+      uint32_t sa[8][4];
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) sa[kk][x] = pack2<Op>(ST[8 * kk + 2 * x], ST[8 * kk + 2 * x + 1]);
+      wg::fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(W_a + kk * 2 * CGP, CGP, RGK), true);
+        wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * CGP, CGP, RGK), true);
+      }
+      wg::commit();
+      // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
+      // for the update e^(gamma_C - gamma_t) (and raw k's norm), zero past L.
+      const float gl = diag ? 0.f : sG[L - 1];
+      if (wt < C)
+        s_eo[wt] = diag ? 1.f : __expf(sG[wt]) * (ca.raw_q ? sRn[wt] * a.scale : 1.f);
+      else
+        s_es[wt - C] = wt - C < L ? (diag ? 1.f : __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f)) : 0.f;
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
+      wg::wait<0>();
+#pragma unroll
+      for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
+    }
+    // R^T = U^T - S^T W^T; its 16-bit fragments as is (for O) and scaled (for the update); O^T's columns
+    // scaled; the state decayed.
+    uint32_t rb[4][4], ra[4][4];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
+      rt[j] = to_float(sU[t * LDV + 64 * g + c]) - rt[j];
+      ot[j] *= s_eo[t];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int j = 8 * kk + 2 * x, t = acc_col(8 * (j / 4), j % 4);
+        rb[kk][x] = pack2<Op>(rt[j], rt[j + 1]);
+        ra[kk][x] = pack2<Op>(rt[j] * s_es[t], rt[j + 1] * s_es[t + 1]);
+      }
+    const float gC = diag ? 1.f : __expf(sG[L - 1]);
+#pragma unroll
+    for (int j = 0; j < 64; ++j) ST[j] *= diag ? sG[acc_col(8 * (j / 4), j % 4)] : gC;
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(ot, rb[kk], wg::desc(P_a + kk * 2 * CGP, CGP, RGP), true);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 128, 1>(ST, ra[kk], wg::desc(KW_a + kk * 2 * RGK, RGK, CGP), true);
+    wg::commit();
+    wg::wait<0>();
+#pragma unroll
+    for (int j = 0; j < 64; ++j) wg::pin(ST[j]);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      wg::pin(ot[j]);
+      const int c = v0 + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
+      if (t < L && c < a.V) o[b * a.so[0] + (bos + ci * C + t) * a.so[1] + hv * a.so[2] + c] = from_float<Tin>(ot[j]);
+    }
+    bi ^= 1;
+  }
+  if (a.hT)
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+      const int c = v0 + acc_row(m0, j % 4), k = acc_col(8 * (j / 4), j % 4);
+      if (k < a.K && c < a.V) a.hT[int64_t(n) * a.shT[0] + hv * a.shT[1] + k * a.shT[2] + c] = ST[j];
+    }
+#else
+  (void)ca;
+#endif
+}
+
 /// Sets the dynamic shared memory limit of kernel `f` once per process.
 template <class F>
 cudaError_t allow_smem(F* f, size_t bytes) {
@@ -1424,6 +1615,41 @@ cudaError_t launch_state(const ChunkArgs& ca, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+/// True when kernel f runs as sm_90a code on this device (built for it, a Hopper GPU).
+template <class F>
+bool runs_sm90a(F* f) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, f) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.ptxVersion >= 90 && attr.binaryVersion == 90;
+}
+
+/// DGPS_CUDA_WGMMA=0 keeps the mma.sync state pass on Hopper (a testing and benchmarking knob).
+bool wgmma_allowed() {
+  const char* e = std::getenv("DGPS_CUDA_WGMMA");
+  return !(e && e[0] == '0' && e[1] == 0);
+}
+
+/// Launches the warpgroup state pass with 64 x WGS value columns where it runs (returns false and
+/// launches nothing elsewhere); `e` gets the launch's status.
+template <class Tin, class Op, int WGS>
+bool launch_state_wg(const ChunkArgs& ca, cudaStream_t stream, cudaError_t* e) {
+  constexpr size_t bytes = wg_smem_bytes(64 * WGS);
+  auto* kernel = state_wg_kernel<Tin, Op, WGS>;
+  static const bool runs = runs_sm90a(kernel) && bytes <= chunk_max_smem();
+  if (!runs) return false;
+  static const cudaError_t set = allow_smem(kernel, bytes);
+  if (set != cudaSuccess) {
+    *e = set;
+    return true;
+  }
+  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca);
+  *e = cudaGetLastError();
+  return true;
+}
+
 template <class Tin, class Op>
 cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
   const RecArgs& a = ca.a;
@@ -1439,6 +1665,18 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
+  // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall).
+  if (!ca.bwd && wgmma_allowed() && ca.state_vt >= 64) {
+    const bool ran = ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(ca, stream, &e)
+                                        : launch_state_wg<Tin, Op, 1>(ca, stream, &e);
+    if (ran) {
+      *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
+              : ca.raw_q || ca.raw_kw ? "cuda/chunkwise/wgmma/v128/raw"
+                                      : "cuda/chunkwise/wgmma/v128";
+      return e;
+    }
+  }
   switch (ca.state_vt) {
     case 128:
       *impl = ca.raw_q || ca.raw_kw ? "cuda/chunkwise/v128/raw" : "cuda/chunkwise/v128";

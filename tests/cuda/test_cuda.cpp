@@ -230,6 +230,54 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
     }
   }
   unsetenv("DGPS_CUDA_RAW_QK");
+  // The state pass on Hopper's warpgroup products (sm_90a, the default there for 64- and 128-column
+  // tiles) and on mma.sync (DGPS_CUDA_WGMMA=0; narrower tiles; every other GPU): each value-tile width
+  // (128 columns with raw rows and with Diagonal decay, 64, 32, and 32 of a 64-wide V, 16), an Offline
+  // model (W S = 0), K = 64 (padded keys), packed sequences with empty and one-token ones, f16 operands.
+  {
+    int dev = 0;
+    cudaDeviceProp prop{};
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+    const bool hopper = prop.major == 9 && prop.minor == 0;
+    struct WgCase {
+      const char* model;
+      dgps::Shape shape;
+      std::vector<int64_t> cu;
+      DType d;
+      const char* tile;
+    };
+    const WgCase cases[] = {
+        {"gdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {},
+         DType::bf16, "v128/raw"},
+        {"kda", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {},
+         DType::bf16, "v128"},
+        {"pgdn", {.batch = 3, .time = 150, .heads = 8, .v_heads = 24, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
+         "v64"},
+        {"pkda", {.batch = 1, .time = 300, .heads = 10, .v_heads = 10, .key_dim = 128, .value_dim = 128},
+         {0, 1, 65, 65, 130, 300}, DType::bf16, "v32"},
+        {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 64}, {}, DType::bf16,
+         "v32"},
+        {"mamba2", {.batch = 2, .time = 130, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {},
+         DType::bf16, "v16"},
+        {"pdn", {.batch = 2, .time = 100, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64}, {}, DType::bf16,
+         "v16"},
+    };
+    for (const char* wg : {"1", "0"}) {
+      setenv("DGPS_CUDA_WGMMA", wg, 1);
+      for (const WgCase& w : cases) {
+        Case c = make_random(w.model, w.shape, w.cu, seed++);
+        const std::string name = std::string("chunk/wgmma") + wg + "/" + w.model + "/" + w.tile;
+        const std::string impl = compare(name, c, w.d, DType::f32, ws, nullptr);
+        const std::string tile = w.tile;
+        const bool want = wg[0] == '1' && hopper && (tile.rfind("v128", 0) == 0 || tile == "v64");
+        report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + w.tile,
+                     name + ": variant " + impl);
+        if (quick) break;
+      }
+    }
+    unsetenv("DGPS_CUDA_WGMMA");
+  }
   // A diagonal preconditioner with many (sequence, key head) pairs, 16-bit inputs and K = 128 (the
   // state pass's 8-warp variant): packed sequences with an empty one, a one-token one and whole
   // chunks; the norm off for P-Mamba-2.
@@ -252,7 +300,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
     }
     const bool ok = what.find(V > 128 ? "value_dim <= 128" : "chunkwise") != std::string::npos;
     report_check(ok, std::string("chunk/refuses/") + m + "/V" + std::to_string(V) + ": " +
-                         (what.empty() ? std::string("(no error)") : what));
+                         (what.empty() ? "(no error; ran " + impl + ")" : what));
   }
   // The recurrent kernels with 16-bit inputs.
   g_alg = dgps::Algorithm::recurrent;

@@ -1,0 +1,125 @@
+/// @file
+/// @brief Hopper warpgroup matrix multiplies (wgmma.mma_async, sm_90a only): shared-memory matrix
+/// descriptors, the m64nNk16 products on 16-bit operands (A from registers, B from shared memory) with
+/// float32 accumulators, and their fences.
+///
+/// Tile layout ("blocked", no swizzle): a tile of R rows x COLS columns of 16-bit elements is stored
+/// as 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes); element (r, c) lies at byte
+/// (r / 8) * row_group + (c / 8) * col_group + (r % 8) * 16 + (c % 8) * 2. The kernels copy their
+/// tiles with a column group of 144 bytes (16 of padding), so that eight threads copying 16
+/// consecutive bytes of one row each land in eight different bank groups. The same tile is a K-major
+/// B operand when its columns run along the reduction (LBO = col_group, SBO = row_group) and an
+/// N-major one when its rows do (LBO = row_group, SBO = col_group): PTX ISA, "Shared Memory Matrix
+/// Layout", the no-swizzle canonical layouts ((8,m),(T,2k)) : ((1T,SBO),(1,LBO)) and
+/// ((T,1,m),(8,k)) : ((1,T,SBO),(1T,LBO)).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace dgps::cuda::kernels::wg {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DGPS_WGMMA 1
+#else
+#define DGPS_WGMMA 0
+#endif
+
+/// Shared-memory matrix descriptor (no swizzle) of the operand starting at shared address `addr`.
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
+         (uint64_t((sbo & 0x3FFFF) >> 4) << 32);
+}
+
+/// Orders this thread's register and shared-memory accesses before the warpgroup's next wgmma.
+__device__ __forceinline__ void fence() {
+#if DGPS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#if DGPS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+/// Waits until at most N of this warpgroup's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void wait() {
+#if DGPS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+/// Makes this thread's generic-proxy shared-memory writes (stores, cp.async) visible to wgmma.
+__device__ __forceinline__ void proxy_fence() {
+#if DGPS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+/// Keeps the compiler from moving accesses of accumulator x across the asynchronous products.
+__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+template <class Op>
+struct Name;
+template <>
+struct Name<__nv_bfloat16> {
+  static constexpr bool bf16 = true;
+};
+template <>
+struct Name<__half> {
+  static constexpr bool bf16 = false;
+};
+
+#define DGPS_WG_R8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define DGPS_WG_N64(TY) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+               "{%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n" \
+               : DGPS_WG_R8(0), DGPS_WG_R8(8), DGPS_WG_R8(16), DGPS_WG_R8(24) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB))
+#define DGPS_WG_N128(TY) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, " \
+               "{%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n" \
+               : DGPS_WG_R8(0), DGPS_WG_R8(8), DGPS_WG_R8(16), DGPS_WG_R8(24), DGPS_WG_R8(32), DGPS_WG_R8(40), \
+                 DGPS_WG_R8(48), DGPS_WG_R8(56) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB))
+
+/// d (64 x N, float32: the warpgroup's accumulator fragment, N / 2 per thread) += A (64 x 16) B (16 x N):
+/// A from registers (a: the thread's four 16-bit pairs, the mma.m16n8k16 A fragment of its warp's 16
+/// rows; an accumulator fragment's n-tiles 2 kk and 2 kk + 1 packed in order are the A fragment of
+/// columns 16 kk .. 16 kk + 15), B from shared memory (descriptor db); TB: B is N-major.
+/// `accumulate` false: d = A B.
+template <class Op, int N, int TB>
+__device__ __forceinline__ void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, bool accumulate) {
+#if DGPS_WGMMA
+  const int acc = accumulate ? 1 : 0;
+  static_assert(N == 64 || N == 128, "n of 64 or 128");
+  if constexpr (N == 64) {
+    if constexpr (Name<Op>::bf16)
+      DGPS_WG_N64("bf16");
+    else
+      DGPS_WG_N64("f16");
+  } else {
+    if constexpr (Name<Op>::bf16)
+      DGPS_WG_N128("bf16");
+    else
+      DGPS_WG_N128("f16");
+  }
+#else
+  (void)d, (void)a, (void)db, (void)accumulate;
+#endif
+}
+#undef DGPS_WG_N64
+#undef DGPS_WG_N128
+#undef DGPS_WG_R8
+
+}  // namespace dgps::cuda::kernels::wg
