@@ -1096,6 +1096,19 @@ __device__ __forceinline__ void store_tile(Op* dst, int64_t gld, const Op* src, 
   }
 }
 
+/// Starts the copy (NT threads, as copy_tile_async) of a chunk's row factors for the sequential passes
+/// into dst: gamma (C floats) and after it, for raw rows, their inverse norms (2 C floats); with
+/// Diagonal decay e^gamma_C (128 floats) instead. head_chunk: (global chunk) x HV + value head.
+template <int NT, class Op>
+__device__ __forceinline__ void copy_row_factors(Op* dst, const ChunkArgs& ca, int64_t head_chunk, bool diag) {
+  const int64_t tile = head_chunk * C;
+  if (diag)
+    copy_tile_async<2 * KP, NT>(dst, 2 * KP, reinterpret_cast<const Op*>(ca.egC + head_chunk * KP), 2 * KP, 1);
+  else
+    copy_tile_async<2 * C, NT>(dst, 2 * C, reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
+  if (ca.rn) copy_tile_async<4 * C, NT>(dst + 2 * C, 4 * C, reinterpret_cast<const Op*>(ca.rn + 2 * tile), 4 * C, 1);
+}
+
 /// The tile buffers of the sequential passes, warp-specialised: one producer warp copies each
 /// chunk's tiles (cp.async) ahead while the NT compute threads work, so the compute warps issue no
 /// copies (the copy loops were 28-30% of their time at T = 32768, one warp per scheduler). The hand-
@@ -1213,16 +1226,7 @@ __global__ void __launch_bounds__(WARPS * 32 + (WARPS == 4 ? 32 : 0)) state_kern
       copy_tile_async<KP, CT>(buf + 2 * C * LDK, LDK, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
     copy_tile_async<VT, CT>(buf + 3 * C * LDK, LDV, static_cast<const Op*>(ca.U) + tile * ca.Vpad + v0, ca.Vpad, C);
     copy_tile_async<C, CT>(buf + 3 * C * LDK + C * LDV, LDC, static_cast<const Op*>(ca.P) + tile * C, C, C);
-    // gamma: C floats = 2 C 16-bit elements, one row; Diagonal decay: e^gamma_C, 128 floats
-    if (diag)
-      copy_tile_async<2 * KP, CT>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * KP,
-                                  reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP), 2 * KP, 1);
-    else
-      copy_tile_async<2 * C, CT>(buf + 3 * C * LDK + C * LDV + C * LDC, 2 * C,
-                                 reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
-    if (ca.rn)  // the raw rows' inverse norms (2 C floats) after gamma
-      copy_tile_async<4 * C, CT>(buf + 3 * C * LDK + C * LDV + C * LDC + 2 * C, 4 * C,
-                                 reinterpret_cast<const Op*>(ca.rn + 2 * tile), 4 * C, 1);
+    copy_row_factors<CT>(buf + 3 * C * LDK + C * LDV + C * LDC, ca, (first + ci) * a.HV + hv, diag);
     if (!PROD) cp_commit();
   };
   using Pipe = ProducerPipe<NBUF, THREADS>;
@@ -1479,13 +1483,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     copy_tile_async<VT, NT>(reinterpret_cast<Op*>(buf + UOFF), LDV,
                             static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT, ca.Vpad, C);
     copy_blocked_async<C, NT>(buf + POFF, static_cast<const Op*>(ca.P) + tile * C, C, C);
-    Op* sGb = reinterpret_cast<Op*>(buf + GOFF);  // gamma (C floats) and the raw rows' norms, or e^gamma_C
-    if (diag)
-      copy_tile_async<2 * KP, NT>(sGb, 2 * KP, reinterpret_cast<const Op*>(ca.egC + ((first + ci) * a.HV + hv) * KP),
-                                  2 * KP, 1);
-    else
-      copy_tile_async<2 * C, NT>(sGb, 2 * C, reinterpret_cast<const Op*>(ca.gam + tile), 2 * C, 1);
-    if (ca.rn) copy_tile_async<4 * C, NT>(sGb + 2 * C, 4 * C, reinterpret_cast<const Op*>(ca.rn + 2 * tile), 4 * C, 1);
+    copy_row_factors<NT>(reinterpret_cast<Op*>(buf + GOFF), ca, (first + ci) * a.HV + hv, diag);
     cp_commit();
   };
   if (count > 0) issue(0, 0);
