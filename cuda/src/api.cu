@@ -234,10 +234,7 @@ const char* run_chunkwise(const kernels::ChunkArgs& c, DType d, cudaStream_t s) 
 
 /// DGPS_CUDA_RAW_QK=0 keeps the intra-chunk kernel's Qn / KWn tiles where the raw rows could be read
 /// (a testing and benchmarking knob; default: raw rows where they apply).
-bool raw_rows_allowed() {
-  const char* e = std::getenv("DGPS_CUDA_RAW_QK");
-  return !(e && std::string(e) == "0");
-}
+bool raw_rows_allowed() { return !kernels::knob_off("DGPS_CUDA_RAW_QK"); }
 
 const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
   kernels::ChunkArgs c = make_chunk_args(p, a);

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "chunk.cuh"
@@ -1613,7 +1612,9 @@ cudaError_t launch_state(const ChunkArgs& ca, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-/// True when kernel f runs as sm_90a code on this device (built for it, a Hopper GPU).
+/// True when kernel f runs as sm_90a code on this device (built for it, a Hopper GPU). Stricter than
+/// sm90_kernels(), which assumes the default build: the decode's sm_90a-only instructions are no-ops
+/// elsewhere, but this kernel's body is empty outside the sm_90a build.
 template <class F>
 bool runs_sm90a(F* f) {
   cudaFuncAttributes attr{};
@@ -1625,10 +1626,7 @@ bool runs_sm90a(F* f) {
 }
 
 /// DGPS_CUDA_WGMMA=0 keeps the mma.sync state pass on Hopper (a testing and benchmarking knob).
-bool wgmma_allowed() {
-  const char* e = std::getenv("DGPS_CUDA_WGMMA");
-  return !(e && e[0] == '0' && e[1] == 0);
-}
+bool wgmma_allowed() { return !knob_off("DGPS_CUDA_WGMMA"); }
 
 /// Launches the warpgroup state pass with 64 x WGS value columns where it runs (returns false and
 /// launches nothing elsewhere); `e` gets the launch's status.

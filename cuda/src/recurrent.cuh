@@ -2,10 +2,17 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_runtime.h>
 
 namespace dgps::cuda::kernels {
+
+/// True when the environment variable `name` (a testing and benchmarking knob) is exactly "0".
+inline bool knob_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && e[0] == '0' && e[1] == 0;
+}
 
 /// Decay kinds as the kernels see them (SPEC §2).
 enum DecayKind : int { kDecayNone = 0, kDecayScalar = 1, kDecayDiagonal = 2 };
