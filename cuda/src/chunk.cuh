@@ -76,16 +76,27 @@ constexpr int state_buffer_elems(int VT) { return 3 * C * LDK + C * (VT + 8) + C
 constexpr size_t state_smem_bytes(int VT, int stages = 2) {
   return sizeof(uint16_t) * (stages * state_buffer_elems(VT) + kChunkKeys * (VT + 8) + 2 * C * (VT + 8));
 }
-/// The warpgroup state pass (sm_90a, forward; wgmma.cuh's blocked tiles): bytes of a column group of
-/// the tiles it copies (128 + 16 of padding), of a C x 128 tile (W, Q, KW) and of the C x C tile P.
+/// The warpgroup state pass (sm_90a, forward; wgmma.cuh's blocked tiles). The intra-chunk kernel writes
+/// W, Q, KW, P and U packed for it (ChunkArgs::blocked: column groups of C rows x 16 bytes), so each
+/// tile arrives by one bulk copy; the raw q and k rows (ChunkArgs::raw_q, raw_kw) are copied by the
+/// threads, into column groups of kWgColGroup bytes (128 + 16 of padding) against bank conflicts.
 constexpr int kWgColGroup = 144;
-constexpr int kWgKeyTile = C / 8 * (KP / 8) * kWgColGroup;
-constexpr int kWgPTile = C / 8 * (C / 8) * kWgColGroup;
-/// Bytes of one buffer of a chunk's tiles in the warpgroup state pass with VT value columns: W, Q, KW
-/// (blocked), U (C x (VT + 8), row-major), P (blocked) and the 192 floats of row factors.
-constexpr int wg_buffer_bytes(int VT) { return 3 * kWgKeyTile + 2 * C * (VT + 8) + kWgPTile + 768; }
-/// Dynamic shared memory of the warpgroup state pass: two buffers and each warpgroup's 2 C row factors.
-constexpr size_t wg_smem_bytes(int VT) { return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 2 * C * (VT / 64); }
+constexpr int kWgKeyTile = C / 8 * (KP / 8) * kWgColGroup;  ///< room for a C x 128 tile, raw or packed
+constexpr int kWgPacked = C * KP * 2;                       ///< a packed C x 128 tile
+/// Byte offsets in one buffer of a chunk's tiles with VT value columns: W, U (C x VT), P (packed), the
+/// 192 floats of row factors, then Q and KW (packed, or raw rows padded).
+constexpr int wg_u_off() { return kWgPacked; }
+constexpr int wg_p_off(int VT) { return kWgPacked + 2 * C * VT; }
+constexpr int wg_g_off(int VT) { return wg_p_off(VT) + 2 * C * C; }
+constexpr int wg_q_off(int VT) { return wg_g_off(VT) + 768; }
+constexpr int wg_kw_off(int VT) { return wg_q_off(VT) + kWgKeyTile; }
+constexpr int wg_buffer_bytes(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
+/// Dynamic shared memory of the warpgroup state pass: two buffers, each warpgroup's 2 C row factors and
+/// the buffers' two mbarriers.
+constexpr size_t wg_smem_bytes(int VT) {
+  return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 2 * C * (VT / 64) + 2 * sizeof(uint64_t);
+}
+static_assert(wg_q_off(64) % 16 == 0 && wg_buffer_bytes(64) % 16 == 0, "bulk copies land 16-byte aligned");
 static_assert(wg_smem_bytes(128) <= 232448, "the 128-column warpgroup state pass fits an H100 / H200 block");
 /// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
 constexpr size_t bwd_prep_smem_bytes() {
@@ -163,6 +174,10 @@ struct ChunkArgs {
   /// neither allocated nor written: 16 KB less traffic per tile each), and applies the rows' inverse
   /// norms (and q's scale) to its accumulator rows; the intra-chunk kernel writes the norms to `rn`.
   bool raw_q = false, raw_kw = false;
+  /// Set by the launcher when the warpgroup state pass follows: the intra-chunk kernel writes W, Qn, KWn,
+  /// P and U blocked (element (r, c) of a tile at c / 8 * 8 C + r * 8 + c % 8: wgmma.cuh's packed layout),
+  /// so that the pass copies each tile whole.
+  bool blocked = false;
   float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the

@@ -139,9 +139,9 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(const ChunkArgs ca, 
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) load_a_t(fa[kk], sT2, LDC, m0, kk * 16);
     Op* stage = sDO + m0 * LDK;
-    tm_times<Op>(fa, sY, LDK, int(Vp), stage, static_cast<Op*>(ca.U) + head * C * Vp + m0 * Vp, Vp);
+    tm_times<Op>(fa, sY, LDK, int(Vp), stage, static_cast<Op*>(ca.U) + head * C * Vp, m0, Vp, false);
     __syncwarp();
-    tm_times<Op>(fa, sKW, LDK, KP, stage, static_cast<Op*>(ca.W) + head * C * KP + m0 * KP, KP);
+    tm_times<Op>(fa, sKW, LDK, KP, stage, static_cast<Op*>(ca.W) + head * C * KP, m0, KP, false);
   }
 }
 

@@ -160,6 +160,24 @@ __device__ __forceinline__ void copy_rows16(Op* dst, int64_t gld, const Op* src,
     copy(std::integral_constant<int, 8>{});
 }
 
+/// Offset of row r, columns c8 .. c8 + 7 (c8 a multiple of 8) of a C-row tile in the packed blocked
+/// layout (ChunkArgs::blocked: column groups of C rows x 8 elements).
+__device__ __forceinline__ int blocked_at(int r, int c8) { return c8 * C + r * 8; }
+
+/// One warp's 16 rows m0 .. m0 + 15 (in `src`, row stride sld) into the workspace tile `tile`: row-major
+/// (row stride gld) or, with `blocked`, packed blocked (16 lanes write one column group's 16 rows, 256
+/// contiguous bytes).
+template <class Op>
+__device__ __forceinline__ void store_rows16(Op* tile, int m0, int64_t gld, const Op* src, int sld, int cols,
+                                             bool blocked) {
+  if (!blocked) return copy_rows16(tile + m0 * gld, gld, src, sld, cols);
+  const int lane = threadIdx.x & 31;
+  for (int e = lane; e < 2 * cols; e += 32) {
+    const int r = e % 16, c8 = (e / 16) * 8;
+    *reinterpret_cast<uint4*>(tile + blocked_at(m0 + r, c8)) = *reinterpret_cast<const uint4*>(src + r * sld + c8);
+  }
+}
+
 /// Where global chunk `gc` lies: its sequence, index in the sequence, tokens.
 struct ChunkPos {
   int n = -1;      ///< sequence, -1 past the end of a packed batch
@@ -420,15 +438,16 @@ __device__ __forceinline__ void rows_times(const uint32_t (&fa)[4][4], const Op*
   }
 }
 
-/// One warp's 16 rows of Tm X (Tm's A fragments in `fa`, X row-major [C][ldx] with `cols` columns):
-/// the rows go through `stage` (16 rows of LDK) and out to `dst` (row stride gld) 16 bytes at a time.
+/// One warp's 16 rows m0 .. of Tm X (Tm's A fragments in `fa`, X row-major [C][ldx] with `cols` columns):
+/// the rows go through `stage` (16 rows of LDK) and out to the workspace tile `tile` 16 bytes at a
+/// time (store_rows16: row stride gld, or blocked).
 template <class Op>
-__device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Op* stage, Op* dst,
-                                         int64_t gld) {
+__device__ __forceinline__ void tm_times(const uint32_t (&fa)[4][4], const Op* X, int ldx, int cols, Op* stage, Op* tile,
+                                         int m0, int64_t gld, bool blocked) {
   rows_times<Op>(fa, X, ldx, cols,
                  [&](int e, int n, float x, float y) { store2(stage + acc_row(0, e) * LDK + acc_col(n, e), x, y); });
   __syncwarp();
-  copy_rows16(dst, gld, stage, LDK, cols);
+  store_rows16(tile, m0, gld, stage, LDK, cols, blocked);
 }
 
 /// Multiplies the two 16-bit elements packed in x by the two packed in f (one packed instruction).
@@ -660,7 +679,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                            // P's staging
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
   if (atk_nd) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
-  __shared__ float s_gam[C], s_beta[C], s_gp[C], s_bp[C], s_eg[C];
+  __shared__ float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
+  __shared__ __align__(16) float s_beta[C];  // read 16 bytes at a time when Tm is formed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t gc = blockIdx.x;
@@ -794,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
 #pragma unroll
     for (int e = tid; e < C * KP / 8; e += kThreads) {
-      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
+      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
       if (diag) {
         // Thread tid always has channels c8 = 8 (tid % 16) ..; rows tid / 16 + 8 it lie in block it / 2.
         const int a16 = r / 16 * 16;
@@ -818,15 +838,14 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
           pk[j / 2] = mul2<Op>(pk[j / 2], fa);
           pw[j / 2] = mul2<Op>(pw[j / 2], fz);
         }
-        *reinterpret_cast<uint4*>(Qn + r * KP + c8) = xq;
-        *reinterpret_cast<uint4*>(KWn + r * KP + c8) = xw;
+        *reinterpret_cast<uint4*>(Qn + at) = xq;
+        *reinterpret_cast<uint4*>(KWn + at) = xw;
         *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
         if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
         continue;
       }
-      if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + r * KP + c8) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-      if (!ca.raw_kw)
-        *reinterpret_cast<uint4*>(KWn + r * KP + c8) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+      if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + at) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+      if (!ca.raw_kw) *reinterpret_cast<uint4*>(KWn + at) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
       if (ca.bwd)  // the read keys
         *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
             *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
@@ -865,7 +884,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh);
     __syncwarp();
     if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
-    copy_rows16(static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C + m0 * C, C, sPst + m0 * LDC, LDC, C);
+    store_rows16(static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
   } else {
     float accA[8][4], accP[8][4];
 #pragma unroll
@@ -891,29 +910,40 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       }
     }
     Op* P = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
+    // This warp's rows lie in row block `warp`: the column blocks left of it need no mask, the diagonal
+    // block does, the blocks right of it are zero (the branches on nt / 2 are uniform over the warp).
+    const float gi[2] = {s_gam[acc_row(m0, 0)], s_gam[acc_row(m0, 2)]};
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const int bj = nt / 2, j = acc_col(nt * 8, 0);
+      if (bj > warp) {
+        store2(sPst + acc_row(m0, 0) * LDC + j, 0.f, 0.f);
+        store2(sPst + acc_row(m0, 2) * LDC + j, 0.f, 0.f);
+        continue;
+      }
+      const float gj0 = s_gam[j], gj1 = s_gam[j + 1];
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
-        const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
-        const float d0 = j <= i ? __expf(s_gam[i] - s_gam[j]) : 0.f;
-        const float d1 = j + 1 <= i ? __expf(s_gam[i] - s_gam[j + 1]) : 0.f;
+        const int i = acc_row(m0, e);
+        float d0 = __expf(gi[e / 2] - gj0), d1 = __expf(gi[e / 2] - gj1);
+        if (bj == warp) d0 = j <= i ? d0 : 0.f, d1 = j + 1 <= i ? d1 : 0.f;
         store2(sPst + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
-        if (a.online) {  // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
-          const float x0 = j < i ? s_beta[ca.bwd ? j : i] * accA[nt][e] * d0 : 0.f;
-          const float x1 = j + 1 < i ? s_beta[ca.bwd ? j + 1 : i] * accA[nt][e + 1] * d1 : 0.f;
-          if (j / 16 == i / 16) {
-            sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16] = x0;
-            sAd[(i / 16) * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
-          } else if (j / 16 < i / 16) {
-            sAh[i * LDC + j] = __float2half_rn(x0);
-            sAh[i * LDC + j + 1] = __float2half_rn(x1);
-          }
+        if (!a.online) continue;
+        // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
+        float x0 = s_beta[ca.bwd ? j : i] * accA[nt][e] * d0;
+        float x1 = s_beta[ca.bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
+        if (bj == warp) {
+          x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
+          sAd[warp * 272 + (i % 16) * 17 + j % 16] = x0;
+          sAd[warp * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
+        } else {
+          *reinterpret_cast<__half2*>(sAh + i * LDC + j) = __floats2half2_rn(x0, x1);
         }
       }
+    }
     __syncwarp();
     if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
-    copy_rows16(P + m0 * C, C, sPst + m0 * LDC, LDC, C);
+    store_rows16(P, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
   }
   __syncthreads();
   if (diag || atk_nd) {  // the tiles out now: gamma's region (or the q tile) is the solve's scratch from here on
@@ -981,19 +1011,24 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
 #pragma unroll
   for (int e = tid; e < C * C / 8; e += kThreads) {
     const int i = e / (C / 8), j0 = (e % (C / 8)) * 8;
-    // Tinv below the diagonal (groups of 8 columns left of i lie in blocks the solve wrote).
+    // Tinv below the diagonal: groups of 8 columns left of i lie in blocks the solve wrote (a group
+    // holding i too has exact zeros right of i and 1 at i); groups from i on hold 1 at i only.
     uint4 th = make_uint4(0, 0, 0, 0);
     if (a.online && j0 < i) th = *reinterpret_cast<const uint4*>(sTh + i * LDC + j0);
-    const __half* th8 = reinterpret_cast<const __half*>(&th);
-    alignas(16) Op t8[8];
+    const __half2* th2 = reinterpret_cast<const __half2*>(&th);
+    const float4 b0 = *reinterpret_cast<const float4*>(s_beta + j0), b1 = *reinterpret_cast<const float4*>(s_beta + j0 + 4);
+    const float bj[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    uint4 t8;
+    uint32_t* t2 = reinterpret_cast<uint32_t*>(&t8);
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = j0 + jj;
-      const float t = i == j ? 1.f : (i > j ? __half2float(th8[jj]) : 0.f);
-      t8[jj] = from_float<Op>(ca.bwd ? t : t * s_beta[j]);
+    for (int q2 = 0; q2 < 4; ++q2) {
+      float2 t = __half22float2(th2[q2]);
+      const int j = j0 + 2 * q2;
+      t.x = j == i ? 1.f : t.x, t.y = j + 1 == i ? 1.f : t.y;
+      t2[q2] = ca.bwd ? pack2<Op>(t.x, t.y) : pack2<Op>(t.x * bj[2 * q2], t.y * bj[2 * q2 + 1]);
     }
-    *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = *reinterpret_cast<const uint4*>(t8);
-    if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = *reinterpret_cast<const uint4*>(t8);
+    *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = t8;
+    if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = t8;
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
   if (!diag && !atk_nd) tiles_out();
@@ -1012,11 +1047,11 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   for (int kk = 0; kk < 4; ++kk) load_a(fa[kk], sTm, LDC, m0, kk * 16);
   // Results go through this warp's 16 rows of the (no longer needed) q tile, then out 16 bytes at a time.
   Op* stage = sQ + m0 * LDK;
-  tm_times<Op>(fa, sV, LDV, ca.Vpad, stage, static_cast<Op*>(ca.U) + (gc * a.HV + hv) * C * ca.Vpad + m0 * ca.Vpad,
-               ca.Vpad);
+  tm_times<Op>(fa, sV, LDV, ca.Vpad, stage, static_cast<Op*>(ca.U) + (gc * a.HV + hv) * C * ca.Vpad, m0, ca.Vpad,
+               ca.blocked);
   if (a.online) {
     __syncwarp();
-    tm_times<Op>(fa, sK, LDK, KP, stage, static_cast<Op*>(ca.W) + tile + m0 * KP, KP);
+    tm_times<Op>(fa, sK, LDK, KP, stage, static_cast<Op*>(ca.W) + tile, m0, KP, ca.blocked);
   }
 }
 
@@ -1435,18 +1470,20 @@ __device__ __forceinline__ void copy_blocked_async(unsigned char* dst, const Op*
 ///   R^T = U^T - S^T W^T and O^T = S^T Q^T (8 + 8 products of 64 x 64 x 16),
 ///   O^T <- O^T Diag(e^gamma) + R^T P^T (4) and S^T <- e^gamma_C S^T + (R^T Diag(e^(gamma_C - gamma))) KW
 ///   (4 of 64 x 128 x 16).
-/// The compute threads copy the next chunk's blocked W, Q, KW, P (and U, the row factors) while the
-/// current one is computed (two buffers).
+/// The next chunk's tiles are copied while the current one is computed (two buffers): thread 0 issues
+/// one bulk copy per tile the intra-chunk kernel wrote blocked (W, Q, KW, P, U, the row factors),
+/// completing on the buffer's mbarrier; raw q and k rows (ChunkArgs::raw_q, raw_kw) are copied by
+/// every thread (cp.async) into padded column groups.
 template <class Tin, class Op, int WGS>
 __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs ca) {
 #if DGPS_WGMMA
   const RecArgs& a = ca.a;
-  constexpr int VT = 64 * WGS, NT = WGS * 128, LDV = VT + 8;
-  constexpr int CGP = kWgColGroup;   // column group of the copied tiles
-  constexpr int RGK = KP / 8 * CGP;  // row group of the C x 128 tiles
-  constexpr int RGP = C / 8 * CGP;   // row group of P
+  constexpr int VT = 64 * WGS, NT = WGS * 128;
+  constexpr int CGP = kWgColGroup;   // column group of the raw rows' tiles
+  constexpr int RGK = KP / 8 * CGP;  // and their row group
+  constexpr int CGB = C * 16;        // column group of the packed tiles (row group: 128 bytes)
   constexpr int BUF = wg_buffer_bytes(VT);
-  constexpr int UOFF = 3 * kWgKeyTile, POFF = UOFF + 2 * C * LDV, GOFF = POFF + kWgPTile;
+  constexpr int UOFF = wg_u_off(), POFF = wg_p_off(VT), GOFF = wg_g_off(VT), QOFF = wg_q_off(VT), KWOFF = wg_kw_off(VT);
   extern __shared__ __align__(128) unsigned char smem[];
   // The warp index through a shuffle: ptxas then knows it is uniform, and the products are not on a
   // divergent path (which would serialise them).
@@ -1454,38 +1491,57 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
   const int m0 = 16 * (warp % 4), wt = threadIdx.x % 128;
   float* s_eo = reinterpret_cast<float*>(smem + 2 * BUF) + g * 2 * C;  // the warpgroup's row factors of O
   float* s_es = s_eo + C;                                              // and of R's copy for the update
-  const bool diag = a.decay == kDecayDiagonal;
+  const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 2 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
+  const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
   const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
   if (!a.online) {  // Offline solve: W's tiles stay zero (never copied), so R = U
-    for (int e = threadIdx.x; e < 2 * kWgKeyTile / 16; e += NT)
-      *reinterpret_cast<uint4*>(smem + (e / (kWgKeyTile / 16)) * BUF + (e % (kWgKeyTile / 16)) * 16) = uint4{};
+    for (int e = threadIdx.x; e < 2 * kWgPacked / 16; e += NT)
+      *reinterpret_cast<uint4*>(smem + (e / (kWgPacked / 16)) * BUF + (e % (kWgPacked / 16)) * 16) = uint4{};
   }
+  if (threadIdx.x == 0) {
+    wg::bar_init(bar0);
+    wg::bar_init(bar0 + 8);
+  }
+  __syncthreads();
+  // Bytes of one chunk's bulk copies (the same for every chunk).
+  const uint32_t bulk_bytes = (a.online ? kWgPacked : 0) + 2 * C * VT + 2 * C * C +
+                              (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) + (ca.raw_q ? 0 : kWgPacked) +
+                              (ca.raw_kw ? 0 : kWgPacked);
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
     unsigned char* buf = smem + bi * BUF;
-    const int64_t tile = ((first + ci) * a.HV + hv) * C;
+    const int64_t hc = (first + ci) * a.HV + hv, tile = hc * C;
     const int rows = static_cast<int>(imin64(C, len - ci * C));
     const int64_t t = bos + ci * C, h = hv / a.group;
-    if (a.online) copy_blocked_async<KP, NT>(buf, static_cast<const Op*>(ca.W) + tile * KP, KP, C);
     if (ca.raw_q)
-      copy_blocked_async<KP, NT>(buf + kWgKeyTile,
-                                 static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2], a.sq[1], rows);
-    else
-      copy_blocked_async<KP, NT>(buf + kWgKeyTile, static_cast<const Op*>(ca.Qn) + tile * KP, KP, C);
+      copy_blocked_async<KP, NT>(buf + QOFF, static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2],
+                                 a.sq[1], rows);
     if (ca.raw_kw)
-      copy_blocked_async<KP, NT>(buf + 2 * kWgKeyTile,
-                                 static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2], a.sk[1], rows);
-    else
-      copy_blocked_async<KP, NT>(buf + 2 * kWgKeyTile, static_cast<const Op*>(ca.KWn) + tile * KP, KP, C);
-    copy_tile_async<VT, NT>(reinterpret_cast<Op*>(buf + UOFF), LDV,
-                            static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT, ca.Vpad, C);
-    copy_blocked_async<C, NT>(buf + POFF, static_cast<const Op*>(ca.P) + tile * C, C, C);
-    copy_row_factors<NT>(reinterpret_cast<Op*>(buf + GOFF), ca, (first + ci) * a.HV + hv, diag);
+      copy_blocked_async<KP, NT>(buf + KWOFF, static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2],
+                                 a.sk[1], rows);
     cp_commit();
+    if (threadIdx.x == 0) {
+      const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
+      wg::bar_expect(bar, bulk_bytes);
+      if (a.online) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
+      wg::bulk_copy(dst + UOFF, static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT * C, 2 * C * VT, bar);
+      wg::bulk_copy(dst + POFF, static_cast<const Op*>(ca.P) + tile * C, 2 * C * C, bar);
+      if (diag) {
+        wg::bulk_copy(dst + GOFF, ca.egC + hc * KP, 4 * KP, bar);
+      } else {
+        wg::bulk_copy(dst + GOFF, ca.gam + tile, 4 * C, bar);
+        if (ca.rn) wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bar);
+      }
+      if (!ca.raw_q) wg::bulk_copy(dst + QOFF, static_cast<const Op*>(ca.Qn) + tile * KP, kWgPacked, bar);
+      if (!ca.raw_kw) wg::bulk_copy(dst + KWOFF, static_cast<const Op*>(ca.KWn) + tile * KP, kWgPacked, bar);
+    }
   };
   if (count > 0) issue(0, 0);
+  // The B operands' descriptors: Q and KW packed or raw (padded column groups), the rest packed.
+  const uint32_t q_cg = ca.raw_q ? CGP : CGB, q_rg = ca.raw_q ? RGK : 128;
+  const uint32_t kw_cg = ca.raw_kw ? CGP : CGB, kw_rg = ca.raw_kw ? RGK : 128;
 
   // S^T: value column acc_row(m0, e) of the warpgroup (row) and key acc_col(8 i, e) (column) in ST[4 i + e].
   float ST[64];
@@ -1505,10 +1561,13 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     } else {
       cp_wait<0>();
     }
-    sync_compute<NT>();  // chunk ci's copies have landed
-    wg::proxy_fence();
+    // Chunk ci's raw rows have landed: visible to the products of every warpgroup. (Also on the last
+    // chunk, where no copy was issued above: every warp is done with the previous chunk's s_eo, s_es.)
+    if (raw) wg::proxy_fence();
+    if (raw || ci + 1 == count) sync_compute<NT>();
+    wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>(ci >> 1) & 1);  // and its bulk copies
     unsigned char* buf = smem + bi * BUF;
-    const uint32_t W_a = smem_addr(buf), Q_a = W_a + kWgKeyTile, KW_a = W_a + 2 * kWgKeyTile, P_a = W_a + POFF;
+    const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
     const Op* sU = reinterpret_cast<const Op*>(buf + UOFF);
     const float* sG = reinterpret_cast<const float*>(buf + GOFF);  // gamma (Diagonal decay: e^gamma_C)
     const float* sRn = sG + C;                                     // raw rows: inverse norms of q, then of k
@@ -1525,8 +1584,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
-        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(W_a + kk * 2 * CGP, CGP, RGK), true);
-        wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * CGP, CGP, RGK), true);
+        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(W_a + kk * 2 * CGB, CGB, 128), true);
+        wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
       }
       wg::commit();
       // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
@@ -1547,7 +1606,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-      rt[j] = to_float(sU[t * LDV + 64 * g + c]) - rt[j];
+      rt[j] = to_float(sU[blocked_at(t, 64 * g + (c & ~7)) + (c & 7)]) - rt[j];
       ot[j] *= s_eo[t];
     }
 #pragma unroll
@@ -1563,9 +1622,9 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     for (int j = 0; j < 64; ++j) ST[j] *= diag ? sG[acc_col(8 * (j / 4), j % 4)] : gC;
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(ot, rb[kk], wg::desc(P_a + kk * 2 * CGP, CGP, RGP), true);
+    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(ot, rb[kk], wg::desc(P_a + kk * 2 * CGB, CGB, 128), true);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 128, 1>(ST, ra[kk], wg::desc(KW_a + kk * 2 * RGK, RGK, CGP), true);
+    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 128, 1>(ST, ra[kk], wg::desc(KW_a + kk * 2 * kw_rg, kw_rg, kw_cg), true);
     wg::commit();
     wg::wait<0>();
 #pragma unroll
@@ -1628,22 +1687,23 @@ bool runs_sm90a(F* f) {
 /// DGPS_CUDA_WGMMA=0 keeps the mma.sync state pass on Hopper (a testing and benchmarking knob).
 bool wgmma_allowed() { return !knob_off("DGPS_CUDA_WGMMA"); }
 
-/// Launches the warpgroup state pass with 64 x WGS value columns where it runs (returns false and
-/// launches nothing elsewhere); `e` gets the launch's status.
+/// True when the warpgroup state pass with 64 x WGS value columns runs here (sm_90a code, the shared
+/// memory it needs).
 template <class Tin, class Op, int WGS>
-bool launch_state_wg(const ChunkArgs& ca, cudaStream_t stream, cudaError_t* e) {
+bool state_wg_runs() {
+  static const bool runs = runs_sm90a(state_wg_kernel<Tin, Op, WGS>) && wg_smem_bytes(64 * WGS) <= chunk_max_smem();
+  return runs;
+}
+
+/// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs).
+template <class Tin, class Op, int WGS>
+cudaError_t launch_state_wg(const ChunkArgs& ca, cudaStream_t stream) {
   constexpr size_t bytes = wg_smem_bytes(64 * WGS);
   auto* kernel = state_wg_kernel<Tin, Op, WGS>;
-  static const bool runs = runs_sm90a(kernel) && bytes <= chunk_max_smem();
-  if (!runs) return false;
   static const cudaError_t set = allow_smem(kernel, bytes);
-  if (set != cudaSuccess) {
-    *e = set;
-    return true;
-  }
+  if (set != cudaSuccess) return set;
   kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca);
-  *e = cudaGetLastError();
-  return true;
+  return cudaGetLastError();
 }
 
 template <class Tin, class Op>
@@ -1655,23 +1715,24 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     precond_sums_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.H), kThreads, 0, stream>>>(ca);
     precond_scan_kernel<<<dim3(a.N, a.H), kThreads, 0, stream>>>(ca);
   }
+  // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
+  // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall). The intra-chunk
+  // kernel then writes its tiles blocked for it.
+  const bool wg_pass = !ca.bwd && wgmma_allowed() && ca.state_vt >= 64 &&
+                       (ca.state_vt == 128 ? state_wg_runs<Tin, Op, 2>() : state_wg_runs<Tin, Op, 1>());
+  ChunkArgs c = ca;
+  c.blocked = wg_pass;
   const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
   static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
   if (set != cudaSuccess) return set;
-  intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(ca);
-  cudaError_t e = cudaGetLastError();
+  intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(c);
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
-  // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall).
-  if (!ca.bwd && wgmma_allowed() && ca.state_vt >= 64) {
-    const bool ran = ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(ca, stream, &e)
-                                        : launch_state_wg<Tin, Op, 1>(ca, stream, &e);
-    if (ran) {
-      *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
-              : ca.raw_q || ca.raw_kw ? "cuda/chunkwise/wgmma/v128/raw"
-                                      : "cuda/chunkwise/wgmma/v128";
-      return e;
-    }
+  if (wg_pass) {
+    *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
+            : ca.raw_q || ca.raw_kw ? "cuda/chunkwise/wgmma/v128/raw"
+                                    : "cuda/chunkwise/wgmma/v128";
+    return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, stream) : launch_state_wg<Tin, Op, 1>(c, stream);
   }
   switch (ca.state_vt) {
     case 128:

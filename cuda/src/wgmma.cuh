@@ -1,13 +1,16 @@
 /// @file
 /// @brief Hopper warpgroup matrix multiplies (wgmma.mma_async, sm_90a only): shared-memory matrix
 /// descriptors, the m64nNk16 products on 16-bit operands (A from registers, B from shared memory) with
-/// float32 accumulators, and their fences.
+/// float32 accumulators, and their fences; bulk copies into shared memory completing on mbarriers.
 ///
 /// Tile layout ("blocked", no swizzle): a tile of R rows x COLS columns of 16-bit elements is stored
 /// as 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes); element (r, c) lies at byte
-/// (r / 8) * row_group + (c / 8) * col_group + (r % 8) * 16 + (c % 8) * 2. The kernels copy their
-/// tiles with a column group of 144 bytes (16 of padding), so that eight threads copying 16
-/// consecutive bytes of one row each land in eight different bank groups. The same tile is a K-major
+/// (r / 8) * row_group + (c / 8) * col_group + (r % 8) * 16 + (c % 8) * 2. Two strides are used:
+/// tiles the intra-chunk kernel writes to the workspace already blocked ("packed": column-major in
+/// groups, col_group = R * 16 bytes, row_group = 128) arrive by one bulk copy each; tiles copied row by
+/// row from the inputs (cp.async) use a column group of 144 bytes (16 of padding), so that eight
+/// threads copying 16 consecutive bytes of one row each land in eight different bank groups. The
+/// same tile is a K-major
 /// B operand when its columns run along the reduction (LBO = col_group, SBO = row_group) and an
 /// N-major one when its rows do (LBO = row_group, SBO = col_group): PTX ISA, "Shared Memory Matrix
 /// Layout", the no-swizzle canonical layouts ((8,m),(T,2k)) : ((1T,SBO),(1,LBO)) and
@@ -57,6 +60,53 @@ __device__ __forceinline__ void proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+/// Bulk copies (cp.async.bulk, the copy engine: one thread moves a whole contiguous tile) completing
+/// on an mbarrier in shared memory. A barrier is initialised once with one arrival (`bar_init`, then a
+/// barrier of the block); the thread that issues a round of copies first announces their total bytes
+/// (`bar_expect`), and the round's phase completes when the last byte lands. Every thread that reads
+/// the tiles waits for the phase (`bar_wait` with the parity of the round: 0, 1, 0, ...), which also
+/// makes the copied bytes visible to it and to its warpgroup's products.
+__device__ __forceinline__ void bar_init(uint32_t bar) {
+#if DGPS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+               "fence.mbarrier_init.release.cluster;\n" ::"r"(bar)
+               : "memory");
+#else
+  (void)bar;
+#endif
+}
+__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
+#if DGPS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
+#if DGPS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar, (void)parity;
+#endif
+}
+/// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory to shared
+/// address `dst`, completing on barrier `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if DGPS_WGMMA
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)bar;
+#endif
+}
+
 /// Keeps the compiler from moving accesses of accumulator x across the asynchronous products.
 __device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 
