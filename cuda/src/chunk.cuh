@@ -178,6 +178,9 @@ struct ChunkArgs {
   /// P and U blocked (element (r, c) of a tile at c / 8 * 8 C + r * 8 + c % 8: wgmma.cuh's packed layout),
   /// so that the pass copies each tile whole.
   bool blocked = false;
+  /// Set by the launcher when the warpgroup state pass copies the raw q and k rows with the copy
+  /// engine (tensor maps over q and k, whose boxes land as packed blocked tiles) instead of cp.async.
+  bool tma_rows = false;
   float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the

@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cuda.h>  // CUtensorMap (types only: the driver's encoder is found at run time)
+#include <cudaTypedefs.h>
+
 #include "chunk.cuh"
 #include "recurrent_impl.cuh"
 #include "wgmma.cuh"
@@ -626,25 +629,32 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
       mma<Op>(accP[2 * b + 1], sq, fb + 2);
     }
   }
+  // Column block nt / 2 against this warp's row block w (uniform over the warp): left of it no mask,
+  // the diagonal block masked (or summed elementwise above), right of it zero.
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < 8; ++nt) {
+    const int bj = nt / 2;
+    if (bj == w && !fast) continue;  // summed elementwise above
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
-      const bool dblock = j >= m0 && j < m0 + 16;
-      if (dblock && !fast) continue;  // summed elementwise above
-      store2(sPst + i * LDC + j, j <= i ? accP[nt][e] : 0.f, j + 1 <= i ? accP[nt][e + 1] : 0.f);
+      if (bj > w) {
+        store2(sPst + i * LDC + j, 0.f, 0.f);
+        continue;
+      }
+      const bool dblock = bj == w;
+      store2(sPst + i * LDC + j, !dblock || j <= i ? accP[nt][e] : 0.f, !dblock || j + 1 <= i ? accP[nt][e + 1] : 0.f);
       if (!online) continue;
-      const float x0 = j < i ? s_beta[bwd ? j : i] * accA[nt][e] : 0.f;
-      const float x1 = j + 1 < i ? s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] : 0.f;
+      float x0 = s_beta[bwd ? j : i] * accA[nt][e], x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1];
       if (dblock) {
+        x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
         sAd[w * 272 + (i % 16) * 17 + j % 16] = x0;
         sAd[w * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
-      } else if (j < m0) {
-        sAh[i * LDC + j] = __float2half_rn(x0);
-        sAh[i * LDC + j + 1] = __float2half_rn(x1);
+      } else {
+        *reinterpret_cast<__half2*>(sAh + i * LDC + j) = __floats2half2_rn(x0, x1);
       }
     }
+  }
 }
 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
@@ -726,18 +736,27 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // Diagonal decay: thread c scans channel c's gamma over the chunk (g = 0 past L and past K, so
   // row C - 1 holds gamma_C); s_gam stays 0 and the scalar factors below are 1.
   if (diag) {
-    const int c = tid;
+    const int c = tid, rows = c < a.K ? L : 0;
     const int64_t g0 = p.b * a.sg[0] + p.t0 * a.sg[1] + hv * a.sg[2] + c;
-    float gs = 0.f;
+    auto scan = [&](auto type) {  // the gate's element type chosen once, not per load
+      using G = decltype(type);
+      const G* gp = static_cast<const G*>(a.g) + g0;
+      float gs = 0.f;
 #pragma unroll 1
-    for (int r0 = 0; r0 < C; r0 += 32) {  // 32 loads in flight per thread
-      float gv[32];
+      for (int r0 = 0; r0 < C; r0 += 32) {  // 32 loads in flight per thread
+        float gv[32];
 #pragma unroll
-      for (int u = 0; u < 32; ++u)
-        gv[u] = (c < a.K && r0 + u < L) ? load_gate(a.g, g0 + (r0 + u) * a.sg[1], a.gate_dtype) : 0.f;
+        for (int u = 0; u < 32; ++u) gv[u] = r0 + u < rows ? to_float(gp[(r0 + u) * a.sg[1]]) : 0.f;
 #pragma unroll
-      for (int u = 0; u < 32; ++u) sG[(r0 + u) * LDG + c] = gs += gv[u];
-    }
+        for (int u = 0; u < 32; ++u) sG[(r0 + u) * LDG + c] = gs += gv[u];
+      }
+    };
+    if (a.gate_dtype == 1)
+      scan(__nv_bfloat16{});
+    else if (a.gate_dtype == 2)
+      scan(__half{});
+    else
+      scan(float{});
   }
   // Raw q, k, v rows, then q and k normalised in place (q also scaled).
   {
@@ -1461,6 +1480,22 @@ __device__ __forceinline__ void copy_blocked_async(unsigned char* dst, const Op*
   }
 }
 
+/// Starts the asynchronous copy (NT threads, NT a multiple of C) of a chunk's C rows of 128 16-bit
+/// elements (row stride gld) into a packed blocked tile at dst (column groups of C rows x 16 bytes):
+/// thread t copies row t % C of column groups t / C, t / C + NT / C, ... Rows from `valid` on are
+/// zero-filled and nothing is read for them. (The warpgroup state pass's fallback for a sequence's
+/// last, partial chunk of packed sequences, whose rows past its end the tensor copy would read from
+/// the next sequence.)
+template <int NT, class Op>
+__device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* src, int64_t gld, int valid) {
+  static_assert(NT % C == 0, "whole rows per pass");
+  const int r = threadIdx.x % C;
+  const bool ok = r < valid;
+#pragma unroll
+  for (int grp = threadIdx.x / C; grp < KP / 8; grp += NT / C)
+    cp_async16_zfill(dst + grp * C * 16 + r * 16, ok ? src + r * gld + 8 * grp : src, ok ? 16 : 0);
+}
+
 /// The forward's sequential pass (state_kernel without backward mode) on Hopper's warpgroup products
 /// (sm_90a; wgmma.cuh), for 64 x WGS value columns. It keeps the transposed state: warpgroup g holds
 /// S^T for value columns 64 g .. 64 g + 63 (64 x 128, float32) in its accumulators, so every product
@@ -1472,10 +1507,12 @@ __device__ __forceinline__ void copy_blocked_async(unsigned char* dst, const Op*
 ///   (4 of 64 x 128 x 16).
 /// The next chunk's tiles are copied while the current one is computed (two buffers): thread 0 issues
 /// one bulk copy per tile the intra-chunk kernel wrote blocked (W, Q, KW, P, U, the row factors),
-/// completing on the buffer's mbarrier; raw q and k rows (ChunkArgs::raw_q, raw_kw) are copied by
-/// every thread (cp.async) into padded column groups.
+/// completing on the buffer's mbarrier. Raw q and k rows (ChunkArgs::raw_q, raw_kw) come by tensor
+/// copies through the maps tq and tk (ChunkArgs::tma_rows; a packed sequence's last, partial chunk by
+/// cp.async), or else by every thread (cp.async) into padded column groups.
 template <class Tin, class Op, int WGS>
-__global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs ca) {
+__global__ void __launch_bounds__(WGS * 128, 1)
+    state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk) {
 #if DGPS_WGMMA
   const RecArgs& a = ca.a;
   constexpr int VT = 64 * WGS, NT = WGS * 128;
@@ -1493,6 +1530,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
   float* s_es = s_eo + C;                                              // and of R's copy for the update
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 2 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
   const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
+  // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
+  auto rows_by_threads = [&](int rows) { return raw && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
@@ -1515,16 +1554,28 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     const int64_t hc = (first + ci) * a.HV + hv, tile = hc * C;
     const int rows = static_cast<int>(imin64(C, len - ci * C));
     const int64_t t = bos + ci * C, h = hv / a.group;
-    if (ca.raw_q)
-      copy_blocked_async<KP, NT>(buf + QOFF, static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2],
-                                 a.sq[1], rows);
-    if (ca.raw_kw)
-      copy_blocked_async<KP, NT>(buf + KWOFF, static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2],
-                                 a.sk[1], rows);
+    const bool by_threads = rows_by_threads(rows);
+    if (by_threads) {
+      const Op* q0 = static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2];
+      const Op* k0 = static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2];
+      if (ca.tma_rows) {
+        if (ca.raw_q) copy_packed_async<NT>(buf + QOFF, q0, a.sq[1], rows);
+        if (ca.raw_kw) copy_packed_async<NT>(buf + KWOFF, k0, a.sk[1], rows);
+      } else {
+        if (ca.raw_q) copy_blocked_async<KP, NT>(buf + QOFF, q0, a.sq[1], rows);
+        if (ca.raw_kw) copy_blocked_async<KP, NT>(buf + KWOFF, k0, a.sk[1], rows);
+      }
+    }
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
-      wg::bar_expect(bar, bulk_bytes);
+      if (raw && !by_threads) {  // the raw rows' tiles by tensor copies
+        wg::bar_expect(bar, bulk_bytes + (ca.raw_q + ca.raw_kw) * kWgPacked);
+        if (ca.raw_q) wg::tensor_copy5(dst + QOFF, &tq, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bar);
+        if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bar);
+      } else {
+        wg::bar_expect(bar, bulk_bytes);
+      }
       if (a.online) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
       wg::bulk_copy(dst + UOFF, static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT * C, 2 * C * VT, bar);
       wg::bulk_copy(dst + POFF, static_cast<const Op*>(ca.P) + tile * C, 2 * C * C, bar);
@@ -1539,9 +1590,10 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     }
   };
   if (count > 0) issue(0, 0);
-  // The B operands' descriptors: Q and KW packed or raw (padded column groups), the rest packed.
-  const uint32_t q_cg = ca.raw_q ? CGP : CGB, q_rg = ca.raw_q ? RGK : 128;
-  const uint32_t kw_cg = ca.raw_kw ? CGP : CGB, kw_rg = ca.raw_kw ? RGK : 128;
+  // The B operands' descriptors: Q and KW packed, or raw rows copied by the threads into padded column groups.
+  const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = ca.raw_kw && !ca.tma_rows;
+  const uint32_t q_cg = q_pad ? CGP : CGB, q_rg = q_pad ? RGK : 128;
+  const uint32_t kw_cg = kw_pad ? CGP : CGB, kw_rg = kw_pad ? RGK : 128;
 
   // S^T: value column acc_row(m0, e) of the warpgroup (row) and key acc_col(8 i, e) (column) in ST[4 i + e].
   float ST[64];
@@ -1563,8 +1615,9 @@ __global__ void __launch_bounds__(WGS * 128, 1) state_wg_kernel(const ChunkArgs 
     }
     // Chunk ci's raw rows have landed: visible to the products of every warpgroup. (Also on the last
     // chunk, where no copy was issued above: every warp is done with the previous chunk's s_eo, s_es.)
-    if (raw) wg::proxy_fence();
-    if (raw || ci + 1 == count) sync_compute<NT>();
+    const bool by_threads = rows_by_threads(L);
+    if (by_threads) wg::proxy_fence();
+    if (by_threads || ci + 1 == count) sync_compute<NT>();
     wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>(ci >> 1) & 1);  // and its bulk copies
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
@@ -1697,14 +1750,50 @@ bool state_wg_runs() {
 
 /// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs).
 template <class Tin, class Op, int WGS>
-cudaError_t launch_state_wg(const ChunkArgs& ca, cudaStream_t stream) {
+cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, cudaStream_t stream) {
   constexpr size_t bytes = wg_smem_bytes(64 * WGS);
   auto* kernel = state_wg_kernel<Tin, Op, WGS>;
   static const cudaError_t set = allow_smem(kernel, bytes);
   if (set != cudaSuccess) return set;
-  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca);
+  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca, tq, tk);
   return cudaGetLastError();
 }
+
+/// The driver's cuTensorMapEncodeTiled, found once through the runtime (nothing links against the
+/// driver library); null where the driver does not have it.
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+/// A tensor map over the 16-bit rows of q or k ([N, T, H, 128] with element strides s; K = 128,
+/// 16-byte aligned rows) whose box is one chunk's tile of one head in the packed blocked layout:
+/// dimensions (8 channels, T tokens, 16 channel groups, H, N), box (8, C, 16, 1, 1), so that the box
+/// lands as 16 column groups of C rows x 16 bytes. Returns false where the map cannot be made.
+inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int64_t T, int H, int N, bool f16) {
+  const auto fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dim[5] = {8, cuuint64_t(T), KP / 8, cuuint64_t(H), cuuint64_t(N)};
+  const cuuint64_t stride[4] = {cuuint64_t(s[1]) * 2, 16, cuuint64_t(s[2]) * 2, cuuint64_t(s[0]) * 2};  // bytes
+  const cuuint32_t box[5] = {8, C, KP / 8, 1, 1}, step[5] = {1, 1, 1, 1, 1};
+  for (const cuuint64_t x : stride)
+    if (x % 16 != 0 || x == 0 || x >= (cuuint64_t(1) << 40)) return false;
+  return fn(m, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<void*>(base),
+            dim, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/// DGPS_CUDA_TMA=0 keeps the warpgroup state pass's raw rows on cp.async (a testing and benchmarking knob).
+bool tma_allowed() { return !knob_off("DGPS_CUDA_TMA"); }
 
 template <class Tin, class Op>
 cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
@@ -1729,10 +1818,20 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (wg_pass) {
-    *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
-            : ca.raw_q || ca.raw_kw ? "cuda/chunkwise/wgmma/v128/raw"
-                                    : "cuda/chunkwise/wgmma/v128";
-    return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, stream) : launch_state_wg<Tin, Op, 1>(c, stream);
+    // Raw q and k rows by tensor copies where their maps can be made (B = 0 for packed sequences, whose
+    // tokens all lie in one row of the map).
+    CUtensorMap tq{}, tk{};
+    const bool f16 = std::is_same_v<Op, __half>;
+    const int n_map = a.cu_seqlens ? 1 : a.N;
+    c.tma_rows = (ca.raw_q || ca.raw_kw) && tma_allowed() &&
+                 (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
+                 (!ca.raw_kw || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16));
+    *impl = ca.state_vt == 64                 ? "cuda/chunkwise/wgmma/v64"
+            : c.tma_rows                      ? "cuda/chunkwise/wgmma/v128/raw/tma"
+            : ca.raw_q || ca.raw_kw           ? "cuda/chunkwise/wgmma/v128/raw"
+                                              : "cuda/chunkwise/wgmma/v128";
+    return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, tq, tk, stream)
+                              : launch_state_wg<Tin, Op, 1>(c, tq, tk, stream);
   }
   switch (ca.state_vt) {
     case 128:

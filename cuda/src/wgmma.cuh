@@ -107,6 +107,21 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 #endif
 }
 
+/// Copies the box at coordinates (0, x1, 0, x3, x4) of the five-dimensional tensor map `map` (a
+/// __grid_constant__ kernel parameter) to shared address `dst` (the copy engine's tensor copy; bytes
+/// out of the tensor's bounds are zeros), completing on barrier `bar`.
+__device__ __forceinline__ void tensor_copy5(uint32_t dst, const void* map, int x1, int x3, int x4, uint32_t bar) {
+#if DGPS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(x1), "r"(0), "r"(x3), "r"(x4), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)x1, (void)x3, (void)x4, (void)bar;
+#endif
+}
+
 /// Keeps the compiler from moving accesses of accumulator x across the asynchronous products.
 __device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 
