@@ -20,7 +20,11 @@
 ///      raw_kw: K = 128, per-token decays), and the intra kernel then writes their inverse norms
 ///      instead of the Q and KW tiles. With 4 compute warps (value tiles of 16-64 columns: few
 ///      sequences, long ones) a fifth warp copies the chunk tiles ahead (ProducerPipe in
-///      chunk_impl.cuh); with 8 the compute warps copy one chunk ahead themselves.
+///      chunk_impl.cuh); with 8 the compute warps copy one chunk ahead themselves. On Hopper, tiles of
+///      64 and 128 columns run `state_wg_kernel` instead (warpgroup products, the state in
+///      accumulators): the intra-chunk kernel writes its tiles blocked for it (ChunkArgs::blocked), one
+///      thread copies each chunk's tiles with bulk copies and the raw q, k rows with tensor copies
+///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer.
 #pragma once
 
 #include <cstddef>

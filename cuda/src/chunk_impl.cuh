@@ -1781,7 +1781,7 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 /// lands as 16 column groups of C rows x 16 bytes. Returns false where the map cannot be made.
 inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int64_t T, int H, int N, bool f16) {
   const auto fn = encode_tiled();
-  if (!fn) return false;
+  if (!fn || T > INT32_MAX) return false;  // the copies' coordinates are 32-bit
   const cuuint64_t dim[5] = {8, cuuint64_t(T), KP / 8, cuuint64_t(H), cuuint64_t(N)};
   const cuuint64_t stride[4] = {cuuint64_t(s[1]) * 2, 16, cuuint64_t(s[2]) * 2, cuuint64_t(s[0]) * 2};  // bytes
   const cuuint32_t box[5] = {8, C, KP / 8, 1, 1}, step[5] = {1, 1, 1, 1, 1};
