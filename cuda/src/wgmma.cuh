@@ -10,10 +10,9 @@
 /// groups, col_group = R * 16 bytes, row_group = 128) arrive by one bulk copy each; tiles copied row by
 /// row from the inputs (cp.async) use a column group of 144 bytes (16 of padding), so that eight
 /// threads copying 16 consecutive bytes of one row each land in eight different bank groups. The
-/// same tile is a K-major
-/// B operand when its columns run along the reduction (LBO = col_group, SBO = row_group) and an
-/// N-major one when its rows do (LBO = row_group, SBO = col_group): PTX ISA, "Shared Memory Matrix
-/// Layout", the no-swizzle canonical layouts ((8,m),(T,2k)) : ((1T,SBO),(1,LBO)) and
+/// same tile is a K-major B operand when its columns run along the reduction (LBO = col_group, SBO =
+/// row_group) and an N-major one when its rows do (LBO = row_group, SBO = col_group): PTX ISA, "Shared
+/// Memory Matrix Layout", the no-swizzle canonical layouts ((8,m),(T,2k)) : ((1T,SBO),(1,LBO)) and
 /// ((T,1,m),(8,k)) : ((1,T,SBO),(1T,LBO)).
 #pragma once
 
