@@ -289,6 +289,109 @@ cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool 
   return launch_ex(rowblock_kernel<Tin, NCG, TG, GROUPED>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
 }
 
+/// Warps per block of decode_warp_kernel (32 value columns: a key head's blocks at HV / H = 2 and V =
+/// 128 make a cluster of 8).
+constexpr int kDecodeWarps = 4;
+
+/// One-token decode for small batches: a warp per 8 value columns of one (sequence, value head),
+/// kDecodeWarps warps per block, and no shared memory or block barrier on the way. Lane l holds the
+/// 4 columns 4 (l % 2) .. + 3 of the warp's 8 and the state rows l / 2 + 16 i (i < 8), so each load
+/// or store of the state moves whole 32-byte sectors, and each row sum (the norms, S^T k, S^T q) is
+/// 4 butterfly steps over the 16 lanes of a column half. The lane's key channels are its state rows:
+/// q, k and their decays come straight from global memory, every load of the call is issued before
+/// the first value is used (the gates' element type G is a template argument, so no branch separates
+/// the loads). No preconditioner (launch_decode keeps those on rowblock_kernel).
+template <class Tin, class G>
+__global__ void __launch_bounds__(32 * kDecodeWarps) decode_warp_kernel(const RecArgs a) {
+  grid_dependency_sync();  // a programmatic dependent launch waits here for the previous kernel
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, half = lane & 1, rg = lane >> 1;
+  const int n = blockIdx.z, hv = blockIdx.y, h = hv / a.group, K = a.K;
+  const int v0 = (blockIdx.x * kDecodeWarps + warp) * 8 + 4 * half;  // the lane's first column (4 or none valid)
+  const bool vok = v0 < a.V;
+  const int64_t sidx = a.slots ? a.slots[n] : n, b = n;  // one token: the inputs' row is b * s[0]
+  const bool diag = a.decay == kDecayDiagonal, scalar = a.decay == kDecayScalar;
+  const Tin* q = static_cast<const Tin*>(a.q) + b * a.sq[0] + h * a.sq[2];
+  const Tin* k = static_cast<const Tin*>(a.k) + b * a.sk[0] + h * a.sk[2];
+  const Tin* v = static_cast<const Tin*>(a.v) + b * a.sv[0] + hv * a.sv[2] + (vok ? v0 : 0);
+  const G* gd = static_cast<const G*>(a.g) + b * a.sg[0] + hv * a.sg[2];
+  const float* h0 = a.h0 + sidx * a.sh0[0] + hv * a.sh0[1] + (vok ? v0 : 0);
+  // Every load first (masked rows and columns read row 0 / column 0 and are zeroed after).
+  float4 S[8];
+  Tin kr[8], qr[8], vr[4];
+  G gr[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = rg + 16 * i < K ? rg + 16 * i : 0;
+    S[i] = *reinterpret_cast<const float4*>(h0 + c * a.sh0[2]);
+    kr[i] = k[c], qr[i] = q[c];
+    if (diag) gr[i] = gd[c];
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vr[j] = v[j];
+  const G g_s = scalar ? gd[0] : G{}, g_beta = a.beta ? static_cast<const G*>(a.beta)[b * a.sbeta[0] + hv * a.sbeta[2]] : G{};
+  const float dec = scalar ? expf(to_float(g_s)) : 1.f, beta = a.beta ? to_float(g_beta) : 1.f;
+  // Sums over the 16 lanes of this column half (each key channel once).
+  auto half_sum = [](float x) {
+#pragma unroll
+    for (int m = 2; m < 32; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+  };
+  float kn[8], qn[8], sk = 0.f, sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool ok = rg + 16 * i < K;
+    kn[i] = ok ? to_float(kr[i]) : 0.f, qn[i] = ok ? to_float(qr[i]) : 0.f;
+    if (!ok || !vok) S[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    sk = fmaf(kn[i], kn[i], sk), sq = fmaf(qn[i], qn[i], sq);
+  }
+  sk = half_sum(sk), sq = half_sum(sq);
+  const float rk = a.l2norm ? rsqrtf(sk + 1e-6f) : 1.f, rq = (a.l2norm ? rsqrtf(sq + 1e-6f) : 1.f) * a.scale;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    kn[i] *= rk, qn[i] *= rq;
+    if (diag) {
+      const float d = expf(to_float(gr[i]));
+      S[i].x *= d, S[i].y *= d, S[i].z *= d, S[i].w *= d;
+    }
+  }
+  float vv[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vv[j] = vok ? to_float(vr[j]) : 0.f;
+  float4 delta = make_float4(beta * vv[0], beta * vv[1], beta * vv[2], beta * vv[3]);
+  if (a.online) {
+    float r[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      r[0] = fmaf(S[i].x, kn[i], r[0]), r[1] = fmaf(S[i].y, kn[i], r[1]);
+      r[2] = fmaf(S[i].z, kn[i], r[2]), r[3] = fmaf(S[i].w, kn[i], r[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r[j] = half_sum(r[j]);
+    delta = make_float4(beta * (vv[0] - dec * r[0]), beta * (vv[1] - dec * r[1]), beta * (vv[2] - dec * r[2]),
+                        beta * (vv[3] - dec * r[3]));
+  }
+  float out[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float w = kn[i], qq = qn[i];
+    S[i].x = fmaf(S[i].x, dec, w * delta.x), S[i].y = fmaf(S[i].y, dec, w * delta.y);
+    S[i].z = fmaf(S[i].z, dec, w * delta.z), S[i].w = fmaf(S[i].w, dec, w * delta.w);
+    out[0] = fmaf(S[i].x, qq, out[0]), out[1] = fmaf(S[i].y, qq, out[1]);
+    out[2] = fmaf(S[i].z, qq, out[2]), out[3] = fmaf(S[i].w, qq, out[3]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = half_sum(out[j]);
+  if (rg == 0 && vok) {
+    Tin* op = static_cast<Tin*>(a.o) + b * a.so[0] + hv * a.so[2] + v0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) op[j] = from_float<Tin>(out[j]);
+  }
+  float* hT = a.hT + sidx * a.shT[0] + hv * a.shT[1] + v0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (vok && rg + 16 * i < K) *reinterpret_cast<float4*>(hT + (rg + 16 * i) * a.shT[2]) = S[i];
+}
+
 /// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).
 inline bool rowblock_vectorizable(const RecArgs& a) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
@@ -297,8 +400,9 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
 }
 
 /// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64
-/// columns per block, or 32 when that gives fewer than one block per SM, and one block per (sequence,
-/// key head) walking 64-column units when there are at least four such blocks per SM. More tokens: 128 columns per
+/// columns per block, or 32 when that gives fewer than one block per SM (without a preconditioner
+/// decode_warp_kernel's 32 columns there), and one block per (sequence, key head) walking 64-column
+/// units when there are at least four such blocks per SM. More tokens: 128 columns per
 /// block when that fills the GPU twice over, else 32 (more, smaller blocks for small batches). States
 /// whose rows cannot be moved 16 bytes at a time use the warp kernel.
 template <class Tin>
@@ -336,6 +440,14 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
   }();
   const bool grouped = rows16 && one_token && cols == 64 &&
                        (grouped_knob >= 0 ? grouped_knob == 1 : int64_t(a.N) * a.H >= 4 * int64_t(sms));
+  // Small batches, one token, no preconditioner: decode_warp_kernel (a warp per 8 columns, no block
+  // barrier; decode always passes the state as h0 = hT). B = 1, HV = 32, graph replay, one lease:
+  // GDN 3.42 -> 3.21 µs. With a preconditioner it took PGDN from 4.62 to 4.83 µs (its cluster barrier
+  // drains every load first), so those stay on the 32-column block-row kernel.
+  // DGPS_CUDA_DECODE_WARP=0 keeps that kernel for all (a testing and benchmarking knob;
+  // DGPS_CUDA_DECODE_COLS forces the block-row kernels too).
+  const bool by_warps = rows16 && one_token && !forced && cols == 32 && !has_p && a.K <= 128 && a.h0 && a.hT &&
+                        !knob_off("DGPS_CUDA_DECODE_WARP");
   if (has_p && !grouped) {
     const int64_t xblocks = (a.V + cols - 1) / cols, blocks = int64_t(a.N) * a.HV * xblocks;
     a.cluster_a = rows16 && one_token && cols >= 32 && xblocks * a.group <= 8 && blocks <= 4 * int64_t(sms) &&
@@ -353,6 +465,14 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
   // previous kernel ends instead of being launched after it. B = 1, HV = 32, a CUDA graph of one-token
   // calls: 3.7 -> 3.4 µs with the 32-column blocks (64 columns, no dependent launch: 3.9).
   const bool dependent = programmatic_launch_supported();
+  if (by_warps) {
+    constexpr int bcols = 8 * kDecodeWarps;
+    const dim3 grid((a.V + bcols - 1) / bcols, a.HV, a.N), block(32 * kDecodeWarps), cluster(1, 1, 1);
+    *impl = "cuda/decode/w32";
+    return a.gate_dtype == 1   ? launch_ex(decode_warp_kernel<Tin, __nv_bfloat16>, grid, block, 0, stream, dependent, cluster, a)
+           : a.gate_dtype == 2 ? launch_ex(decode_warp_kernel<Tin, __half>, grid, block, 0, stream, dependent, cluster, a)
+                               : launch_ex(decode_warp_kernel<Tin, float>, grid, block, 0, stream, dependent, cluster, a);
+  }
   if (one_token) {
     if (cols == 16) {
       *impl = "cuda/decode/v16";

@@ -146,10 +146,13 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// (DGPS_CUDA_PDL=0 turns this off); with a diagonal preconditioner and a small batch each key head's
 /// blocks form a thread block cluster; with a large batch (at least four (sequence, key head) pairs
 /// per SM) and one token, one block per (sequence, key head) runs all its value heads and updates the
-/// statistics it owns. Returns "cuda/decode/v64g" (that grouped kernel), "cuda/decode/v64" or
-/// "cuda/decode/v32" (one token), "cuda/decode/v128" or "cuda/decode/v32" (more tokens), or the warp
-/// kernel's name; the environment variables DGPS_CUDA_DECODE_COLS=16|32|64 (the one-token block
-/// width) and DGPS_CUDA_DECODE_GROUPED=0|1 (the grouped kernel) force a variant (testing, benchmarks).
+/// statistics it owns; with a small batch, one token and no preconditioner, a warp per 8 value
+/// columns and no block barrier. Returns "cuda/decode/v64g" (that grouped kernel), "cuda/decode/w32"
+/// (the warp-column kernel), "cuda/decode/v64" or "cuda/decode/v32" (one token), "cuda/decode/v128"
+/// or "cuda/decode/v32" (more tokens), or the warp kernel's name; the environment variables
+/// DGPS_CUDA_DECODE_COLS=16|32|64 (the one-token block width), DGPS_CUDA_DECODE_GROUPED=0|1 (the
+/// grouped kernel) and DGPS_CUDA_DECODE_WARP=0 (no warp-column kernel) force a variant (testing,
+/// benchmarks).
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Cotangents and gradient destinations of a CUDA backward call (device tensors, same layouts as the

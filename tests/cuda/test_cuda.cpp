@@ -321,8 +321,9 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
 }
 
 /// Decode of Tn tokens for N sequences addressed through a slot table into a pool of P states.
-void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cuda::Workspace& ws, int64_t N = 3) {
-  const int64_t P = 2 * N, H = 2, HV = 4, K = 128, V = 128;
+void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cuda::Workspace& ws, int64_t N = 3,
+                 int64_t K = 128, int64_t V = 128) {
+  const int64_t P = 2 * N, H = 2, HV = 4;
   std::vector<int64_t> slots(N);
   for (int64_t n = 0; n < N; ++n) slots[n] = (n * 7 + 4) % P;  // distinct while 7 does not divide P
   Case c = make_random(model, {.batch = N, .time = Tn, .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V}, {},
@@ -373,7 +374,8 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
   p.slots = static_cast<const int64_t*>(sl.p);
   const std::string impl = dgps::cuda::decode(p, ws, nullptr);
   check_cuda(cudaDeviceSynchronize(), "decode");
-  const std::string name = std::string("decode/") + model + "/T" + std::to_string(Tn) + "/N" + std::to_string(N) + "/" +
+  const std::string name = std::string("decode/") + model + "/T" + std::to_string(Tn) + "/N" + std::to_string(N) +
+                           (K != 128 || V != 128 ? "/K" + std::to_string(K) + "V" + std::to_string(V) : "") + "/" +
                            dgps::cuda::to_string(d);
   report(name, "o", dgps_test::rel_err(download(o, size_t(N * Tn * HV * V), d), ref.at("o")), tolerance(d), impl);
   report(name, "h", dgps_test::rel_err(download(hp, hpool.size(), DType::f32), hexp), tolerance(d), impl);
@@ -381,6 +383,11 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
   if (Tn == 1 && N * H >= 4 * sms)  // one block per (sequence, key head) walks the group's value heads
     report_check(impl == "cuda/decode/v64g", name + ": the grouped one-token kernel ran (" + impl + ")");
+  // Small batches, one token: a warp per 8 columns, or with a preconditioner (or the knob) 32-column blocks.
+  const char* warp_knob = std::getenv("DGPS_CUDA_DECODE_WARP");
+  if (Tn == 1 && N * HV * ((V + 63) / 64) < sms && V % 4 == 0)
+    report_check(impl == (diag_p || (warp_knob && warp_knob == std::string("0")) ? "cuda/decode/v32" : "cuda/decode/w32"),
+                 name + ": the expected one-token kernel ran (" + impl + ")");
   if (diag_p)
     report(name, "a", dgps_test::rel_err(download(ap, apool.size(), DType::f32), aexp), tolerance(d), impl);
 }
@@ -552,6 +559,12 @@ int main(int argc, char** argv) {
         decode_case(m, Tn, DType::f32, seed++, ws);
         if (!quick) decode_case(m, Tn, DType::bf16, seed++, ws);
       }
+    // K < 128 (masked key channels) and V not a multiple of the block's 32 columns, one token.
+    for (const char* m : {"pgdn", "kda", "gdn", "mamba2"}) decode_case(m, 1, DType::bf16, seed++, ws, 3, 100, 36);
+    // The 32-column block-row kernel without a preconditioner (DGPS_CUDA_DECODE_WARP=0).
+    setenv("DGPS_CUDA_DECODE_WARP", "0", 1);
+    for (const char* m : {"gdn", "kda"}) decode_case(m, 1, DType::bf16, seed++, ws);
+    unsetenv("DGPS_CUDA_DECODE_WARP");
     // Large batches: a preconditioner's statistics read from a private copy (not a cluster barrier).
     decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
     decode_case("pgdn", 3, DType::f32, seed++, ws, 200);
