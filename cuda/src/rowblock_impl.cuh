@@ -328,7 +328,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps) decode_warp_kernel(const Re
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) vr[j] = v[j];
-  const G g_s = scalar ? gd[0] : G{}, g_beta = a.beta ? static_cast<const G*>(a.beta)[b * a.sbeta[0] + hv * a.sbeta[2]] : G{};
+  const G g_s = scalar ? gd[0] : G{},
+          g_beta = a.beta ? static_cast<const G*>(a.beta)[b * a.sbeta[0] + hv * a.sbeta[2]] : G{};
   const float dec = scalar ? expf(to_float(g_s)) : 1.f, beta = a.beta ? to_float(g_beta) : 1.f;
   // Sums over the 16 lanes of this column half (each key channel once).
   auto half_sum = [](float x) {
@@ -469,9 +470,11 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
     constexpr int bcols = 8 * kDecodeWarps;
     const dim3 grid((a.V + bcols - 1) / bcols, a.HV, a.N), block(32 * kDecodeWarps), cluster(1, 1, 1);
     *impl = "cuda/decode/w32";
-    return a.gate_dtype == 1   ? launch_ex(decode_warp_kernel<Tin, __nv_bfloat16>, grid, block, 0, stream, dependent, cluster, a)
-           : a.gate_dtype == 2 ? launch_ex(decode_warp_kernel<Tin, __half>, grid, block, 0, stream, dependent, cluster, a)
-                               : launch_ex(decode_warp_kernel<Tin, float>, grid, block, 0, stream, dependent, cluster, a);
+    if (a.gate_dtype == 1)
+      return launch_ex(decode_warp_kernel<Tin, __nv_bfloat16>, grid, block, 0, stream, dependent, cluster, a);
+    if (a.gate_dtype == 2)
+      return launch_ex(decode_warp_kernel<Tin, __half>, grid, block, 0, stream, dependent, cluster, a);
+    return launch_ex(decode_warp_kernel<Tin, float>, grid, block, 0, stream, dependent, cluster, a);
   }
   if (one_token) {
     if (cols == 16) {

@@ -385,8 +385,9 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
     report_check(impl == "cuda/decode/v64g", name + ": the grouped one-token kernel ran (" + impl + ")");
   // Small batches, one token: a warp per 8 columns, or with a preconditioner (or the knob) 32-column blocks.
   const char* warp_knob = std::getenv("DGPS_CUDA_DECODE_WARP");
+  const bool block_rows = diag_p || (warp_knob && warp_knob == std::string("0"));
   if (Tn == 1 && N * HV * ((V + 63) / 64) < sms && V % 4 == 0)
-    report_check(impl == (diag_p || (warp_knob && warp_knob == std::string("0")) ? "cuda/decode/v32" : "cuda/decode/w32"),
+    report_check(impl == (block_rows ? "cuda/decode/v32" : "cuda/decode/w32"),
                  name + ": the expected one-token kernel ran (" + impl + ")");
   if (diag_p)
     report(name, "a", dgps_test::rel_err(download(ap, apool.size(), DType::f32), aexp), tolerance(d), impl);
