@@ -289,8 +289,8 @@ cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool 
   return launch_ex(rowblock_kernel<Tin, NCG, TG, GROUPED>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
 }
 
-/// Warps per block of decode_warp_kernel (32 value columns: a key head's blocks at HV / H = 2 and V =
-/// 128 make a cluster of 8).
+/// Warps per block of decode_warp_kernel (32 value columns, the width the block-row kernel takes for
+/// small batches).
 constexpr int kDecodeWarps = 4;
 
 /// One-token decode for small batches: a warp per 8 value columns of one (sequence, value head),
@@ -443,8 +443,9 @@ cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char**
                        (grouped_knob >= 0 ? grouped_knob == 1 : int64_t(a.N) * a.H >= 4 * int64_t(sms));
   // Small batches, one token, no preconditioner: decode_warp_kernel (a warp per 8 columns, no block
   // barrier; decode always passes the state as h0 = hT). B = 1, HV = 32, graph replay, one lease:
-  // GDN 3.42 -> 3.21 µs. With a preconditioner it took PGDN from 4.62 to 4.83 µs (its cluster barrier
-  // drains every load first), so those stay on the 32-column block-row kernel.
+  // GDN 3.43 -> 2.96 µs. With a preconditioner it took PGDN from 4.62 to 4.83 µs at best (the cluster
+  // barrier's release drains every load first; its loads also slowed GDN to 3.21), so those stay on
+  // the 32-column block-row kernel.
   // DGPS_CUDA_DECODE_WARP=0 keeps that kernel for all (a testing and benchmarking knob;
   // DGPS_CUDA_DECODE_COLS forces the block-row kernels too).
   const bool by_warps = rows16 && one_token && !forced && cols == 32 && !has_p && a.K <= 128 && a.h0 && a.hT &&
