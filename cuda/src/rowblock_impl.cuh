@@ -297,7 +297,7 @@ constexpr int kDecodeWarps = 4;
 /// kDecodeWarps warps per block, and no shared memory or block barrier on the way. Lane l holds the
 /// 4 columns 4 (l % 2) .. + 3 of the warp's 8 and the state rows l / 2 + 16 i (i < 8), so each load
 /// or store of the state moves whole 32-byte sectors, and each row sum (the norms, S^T k, S^T q) is
-/// 4 butterfly steps over the 16 lanes of a column half. The lane's key channels are its state rows:
+/// 4 butterfly steps over the 16 lanes of a column half (reduce_parts<16>). The lane's key channels are its state rows:
 /// q, k and their decays come straight from global memory, every load of the call is issued before
 /// the first value is used (the gates' element type G is a template argument, so no branch separates
 /// the loads). No preconditioner (launch_decode keeps those on rowblock_kernel).
@@ -331,12 +331,9 @@ __global__ void __launch_bounds__(32 * kDecodeWarps) decode_warp_kernel(const Re
   const G g_s = scalar ? gd[0] : G{},
           g_beta = a.beta ? static_cast<const G*>(a.beta)[b * a.sbeta[0] + hv * a.sbeta[2]] : G{};
   const float dec = scalar ? expf(to_float(g_s)) : 1.f, beta = a.beta ? to_float(g_beta) : 1.f;
-  // Sums over the 16 lanes of this column half (each key channel once).
-  auto half_sum = [](float x) {
-#pragma unroll
-    for (int m = 2; m < 32; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-    return x;
-  };
+  // Sums over the 16 lanes of this column half (each key channel once): the warp kernel's reduction
+  // over 16 parts (lane bits 1..4).
+  auto half_sum = [](float x) { return reduce_parts<16>(x); };
   float kn[8], qn[8], sk = 0.f, sq = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
