@@ -236,6 +236,10 @@ const char* run_chunkwise(const kernels::ChunkArgs& c, DType d, cudaStream_t s) 
 /// (a testing and benchmarking knob; default: raw rows where they apply).
 bool raw_rows_allowed() { return !kernels::knob_off("DGPS_CUDA_RAW_QK"); }
 
+/// DGPS_CUDA_RAW_V=0 keeps W and U from the intra-chunk kernel where the warpgroup state pass could form
+/// the residual from the raw v rows and Tm (a testing and benchmarking knob; ChunkArgs::raw_v).
+bool raw_v_allowed() { return !kernels::knob_off("DGPS_CUDA_RAW_V"); }
+
 const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
   kernels::ChunkArgs c = make_chunk_args(p, a);
   // The state pass reads q and k rows straight from the inputs (ChunkArgs::raw_q) where they are its
@@ -246,6 +250,10 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
                    a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
   c.raw_q = raw && a.precond != kernels::kPrecondATQ;
   c.raw_kw = raw && a.precond != kernels::kPrecondATK;
+  // On Hopper's warpgroup state pass the residual's products move there too (ChunkArgs::raw_v): the
+  // intra-chunk kernel writes the solve Tm instead of W and U, and reads no v rows.
+  c.raw_v = raw && a.online && p.V == kernels::kChunkMaxV && vec_rows(p.v, p.V) && raw_v_allowed() &&
+            (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);
   return run_chunkwise(c, p.dtype, s);

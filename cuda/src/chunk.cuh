@@ -24,7 +24,10 @@
 ///      64 and 128 columns run `state_wg_kernel` instead (warpgroup products, the state in
 ///      accumulators): the intra-chunk kernel writes its tiles blocked for it (ChunkArgs::blocked), one
 ///      thread copies each chunk's tiles with bulk copies and the raw q, k rows with tensor copies
-///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer.
+///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer. With raw rows, the delta rule
+///      and V = 128 that pass also reads the raw v rows and the solve Tm and forms R = Tm (V - Diag(e^gamma)
+///      K S) itself (ChunkArgs::raw_v): the intra-chunk kernel then stops after the solve (no v rows, no
+///      W or U).
 #pragma once
 
 #include <cstddef>
@@ -88,17 +91,19 @@ constexpr int kWgColGroup = 144;
 constexpr int kWgKeyTile = C / 8 * (KP / 8) * kWgColGroup;  ///< room for a C x 128 tile, raw or packed
 constexpr int kWgPacked = C * KP * 2;                       ///< a packed C x 128 tile
 /// Byte offsets in one buffer of a chunk's tiles with VT value columns: W, U (C x VT), P (packed), the
-/// 192 floats of row factors, then Q and KW (packed, or raw rows padded).
+/// 192 floats of row factors, then Q and KW (packed, or raw rows padded) and Tm (packed, C x C). With
+/// ChunkArgs::raw_v, W's place holds the raw k rows (when KW is not k itself) and U's the raw v rows.
 constexpr int wg_u_off() { return kWgPacked; }
 constexpr int wg_p_off(int VT) { return kWgPacked + 2 * C * VT; }
 constexpr int wg_g_off(int VT) { return wg_p_off(VT) + 2 * C * C; }
 constexpr int wg_q_off(int VT) { return wg_g_off(VT) + 768; }
 constexpr int wg_kw_off(int VT) { return wg_q_off(VT) + kWgKeyTile; }
-constexpr int wg_buffer_bytes(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
-/// Dynamic shared memory of the warpgroup state pass: two buffers, each warpgroup's 2 C row factors and
+constexpr int wg_tm_off(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
+constexpr int wg_buffer_bytes(int VT) { return wg_tm_off(VT) + 2 * C * C; }
+/// Dynamic shared memory of the warpgroup state pass: two buffers, each warpgroup's 3 C row factors and
 /// the buffers' two mbarriers.
 constexpr size_t wg_smem_bytes(int VT) {
-  return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 2 * C * (VT / 64) + 2 * sizeof(uint64_t);
+  return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 3 * C * (VT / 64) + 2 * sizeof(uint64_t);
 }
 static_assert(wg_q_off(64) % 16 == 0 && wg_buffer_bytes(64) % 16 == 0, "bulk copies land 16-byte aligned");
 static_assert(wg_smem_bytes(128) <= 232448, "the 128-column warpgroup state pass fits an H100 / H200 block");
@@ -186,6 +191,13 @@ struct ChunkArgs {
   /// engine (tensor maps over q and k, whose boxes land as packed blocked tiles) instead of cp.async.
   bool tma_rows = false;
   float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
+  /// Forward on the warpgroup state pass with raw rows (raw_q or raw_kw), an Online solve and V = 128:
+  /// the pass forms the residual as R = Tm (V - Diag(e^gamma) K S) from the raw v and k rows (tensor
+  /// copies where the maps can be made) and the solve Tm, which the intra-chunk kernel writes blocked to
+  /// `Tm` instead of W = Tm (K ⊙ e^gamma) and U = Tm V (neither allocated nor written: the intra-chunk
+  /// kernel reads no v rows and makes neither product; 24 KB less traffic per tile).
+  bool raw_v = false;
+  void* Tm = nullptr;  ///< [chunk_bound, HV, C, C] the solve Tm = (I + Akk)^{-1} Diag(beta) (raw_v)
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
   // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
@@ -217,6 +229,11 @@ int state_value_tile(const RecArgs& a, int Vpad);
 /// K <= 128, V <= 128, and the device has the shared memory of the smallest variant
 /// (about 142 kB per block: Hopper and A100 class GPUs).
 bool chunk_covers(const RecArgs& a);
+
+/// True when the forward's sequential pass of `c` runs on warpgroup products (state_wg_kernel: Hopper
+/// with its sm_90a code, 64- or 128-column tiles, not backward mode, DGPS_CUDA_WGMMA not 0) for input type Tin.
+template <class Tin>
+bool chunk_wg_pass(const ChunkArgs& c);
 
 /// Launches the chunkwise forward for input type Tin (float, __nv_bfloat16 or __half). The tensor-core
 /// operands are f16 for __half inputs, bf16 otherwise. Names the variant in `impl`.

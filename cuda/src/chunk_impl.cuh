@@ -704,8 +704,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   const Tin* v = static_cast<const Tin*>(a.v);
 
   // The v rows are staged only after the solve: start bringing them into L2 now (one 128-byte line
-  // per thread and step) so that the late stage_rows finds them there.
-  {
+  // per thread and step) so that the late stage_rows finds them there. (With raw_v the state pass
+  // reads them instead.)
+  if (!ca.raw_v) {
     const char* v0 = reinterpret_cast<const char*>(v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2]);
     const int lines = (a.V * int(sizeof(Tin)) + 127) / 128;
     const int64_t row_bytes = a.sv[1] * int64_t(sizeof(Tin));
@@ -874,6 +875,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(sG[(C - 1) * LDG + tid]);
       return;
     }
+    if (ca.raw_v) return;  // no W: the state pass scales its own k rows
     __syncthreads();  // KW may be K itself
     for (int e = tid; e < C * KP / 8; e += kThreads) {
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
@@ -1026,6 +1028,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // written to the workspace.
   // Eight entries per thread and step, read 16 bytes at a time (in place for atk_nd: the same slots).
   Op* T2 = ca.bwd ? static_cast<Op*>(ca.T2) + (gc * a.HV + hv) * C * C : nullptr;
+  Op* Tmw = ca.raw_v ? static_cast<Op*>(ca.Tm) + (gc * a.HV + hv) * C * C : nullptr;  // blocked, for the state pass
   static_assert(C * C / 8 % kThreads == 0, "whole steps");
 #pragma unroll
   for (int e = tid; e < C * C / 8; e += kThreads) {
@@ -1048,9 +1051,11 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     }
     *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = t8;
     if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = t8;
+    if (Tmw) *reinterpret_cast<uint4*>(Tmw + blocked_at(i, j0)) = t8;
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
   if (!diag && !atk_nd) tiles_out();
+  if (ca.raw_v) return;  // the state pass makes W S and U from Tm, the raw k and v rows
   {  // v rows into the (now free) Akk / inverse region
     const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
     if (ca.Vpad == 64)
@@ -1510,9 +1515,14 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
 /// completing on the buffer's mbarrier. Raw q and k rows (ChunkArgs::raw_q, raw_kw) come by tensor
 /// copies through the maps tq and tk (ChunkArgs::tma_rows; a packed sequence's last, partial chunk by
 /// cp.async), or else by every thread (cp.async) into padded column groups.
+/// With ChunkArgs::raw_v (Online, V = 128) the intra-chunk kernel wrote the solve Tm instead of W and U,
+/// and R^T comes from the raw k and v rows (map tv over v; k through tk):
+///   Z^T = S^T K^T (8 products, K the raw k rows), Y^T = V^T - Z^T Diag(e^gamma rn_k) in registers,
+///   R^T = Y^T Tm^T (4 more products, A = Y^T from registers), since W S = Tm Diag(e^gamma) K S.
 template <class Tin, class Op, int WGS>
 __global__ void __launch_bounds__(WGS * 128, 1)
-    state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk) {
+    state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                    const __grid_constant__ CUtensorMap tv) {
 #if DGPS_WGMMA
   const RecArgs& a = ca.a;
   constexpr int VT = 64 * WGS, NT = WGS * 128;
@@ -1521,15 +1531,20 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   constexpr int CGB = C * 16;        // column group of the packed tiles (row group: 128 bytes)
   constexpr int BUF = wg_buffer_bytes(VT);
   constexpr int UOFF = wg_u_off(), POFF = wg_p_off(VT), GOFF = wg_g_off(VT), QOFF = wg_q_off(VT), KWOFF = wg_kw_off(VT);
+  constexpr int TMOFF = wg_tm_off(VT);
   extern __shared__ __align__(128) unsigned char smem[];
   // The warp index through a shuffle: ptxas then knows it is uniform, and the products are not on a
   // divergent path (which would serialise them).
   const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), g = warp / 4;
   const int m0 = 16 * (warp % 4), wt = threadIdx.x % 128;
-  float* s_eo = reinterpret_cast<float*>(smem + 2 * BUF) + g * 2 * C;  // the warpgroup's row factors of O
-  float* s_es = s_eo + C;                                              // and of R's copy for the update
-  const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 2 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
+  float* s_eo = reinterpret_cast<float*>(smem + 2 * BUF) + g * 3 * C;  // the warpgroup's row factors of O
+  float* s_es = s_eo + C;                                              // of R's copy for the update
+  float* s_ez = s_es + C;                                              // and of K's rows in Z (raw_v)
+  const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
   const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
+  // raw_v: the raw v rows in U's place, and the raw k rows in W's place unless KW is k itself (rk).
+  const bool rv = ca.raw_v, rk = rv && !ca.raw_kw;
+  static_assert(!(VT == 128) || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
   // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
   auto rows_by_threads = [&](int rows) { return raw && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
@@ -1546,7 +1561,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   }
   __syncthreads();
   // Bytes of one chunk's bulk copies (the same for every chunk).
-  const uint32_t bulk_bytes = (a.online ? kWgPacked : 0) + 2 * C * VT + 2 * C * C +
+  const uint32_t bulk_bytes = (a.online && !rv ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) + 2 * C * C +
                               (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) + (ca.raw_q ? 0 : kWgPacked) +
                               (ca.raw_kw ? 0 : kWgPacked);
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
@@ -1558,6 +1573,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     if (by_threads) {
       const Op* q0 = static_cast<const Op*>(a.q) + b * a.sq[0] + t * a.sq[1] + h * a.sq[2];
       const Op* k0 = static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2];
+      const Op* x0 = static_cast<const Op*>(a.v) + b * a.sv[0] + t * a.sv[1] + hv * a.sv[2];  // raw_v: VT = 128
       if (ca.tma_rows) {
         if (ca.raw_q) copy_packed_async<NT>(buf + QOFF, q0, a.sq[1], rows);
         if (ca.raw_kw) copy_packed_async<NT>(buf + KWOFF, k0, a.sk[1], rows);
@@ -1565,19 +1581,28 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         if (ca.raw_q) copy_blocked_async<KP, NT>(buf + QOFF, q0, a.sq[1], rows);
         if (ca.raw_kw) copy_blocked_async<KP, NT>(buf + KWOFF, k0, a.sk[1], rows);
       }
+      // W's and U's places hold packed tiles only (a padded one would overrun them).
+      if (rk) copy_packed_async<NT>(buf, k0, a.sk[1], rows);
+      if (rv) copy_packed_async<NT>(buf + UOFF, x0, a.sv[1], rows);
     }
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
       if (raw && !by_threads) {  // the raw rows' tiles by tensor copies
-        wg::bar_expect(bar, bulk_bytes + (ca.raw_q + ca.raw_kw) * kWgPacked);
-        if (ca.raw_q) wg::tensor_copy5(dst + QOFF, &tq, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bar);
-        if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bar);
+        wg::bar_expect(bar, bulk_bytes + (ca.raw_q + ca.raw_kw + rk + rv) * kWgPacked);
+        const int ti = static_cast<int>(t), bn = static_cast<int>(b);
+        if (ca.raw_q) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
+        if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, ti, static_cast<int>(h), bn, bar);
+        if (rk) wg::tensor_copy5(dst, &tk, ti, static_cast<int>(h), bn, bar);
+        if (rv) wg::tensor_copy5(dst + UOFF, &tv, ti, hv, bn, bar);
       } else {
         wg::bar_expect(bar, bulk_bytes);
       }
-      if (a.online) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
-      wg::bulk_copy(dst + UOFF, static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT * C, 2 * C * VT, bar);
+      if (a.online && !rv) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
+      if (rv)
+        wg::bulk_copy(dst + TMOFF, static_cast<const Op*>(ca.Tm) + tile * C, 2 * C * C, bar);
+      else
+        wg::bulk_copy(dst + UOFF, static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT * C, 2 * C * VT, bar);
       wg::bulk_copy(dst + POFF, static_cast<const Op*>(ca.P) + tile * C, 2 * C * C, bar);
       if (diag) {
         wg::bulk_copy(dst + GOFF, ca.egC + hc * KP, 4 * KP, bar);
@@ -1594,6 +1619,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = ca.raw_kw && !ca.tma_rows;
   const uint32_t q_cg = q_pad ? CGP : CGB, q_rg = q_pad ? RGK : 128;
   const uint32_t kw_cg = kw_pad ? CGP : CGB, kw_rg = kw_pad ? RGK : 128;
+  // raw_v: the rows of k in Z (KW's tile, or packed in W's place); v's tile is packed.
+  const uint32_t k_cg = ca.raw_kw ? kw_cg : CGB, k_rg = ca.raw_kw ? kw_rg : 128;
 
   // S^T: value column acc_row(m0, e) of the warpgroup (row) and key acc_col(8 i, e) (column) in ST[4 i + e].
   float ST[64];
@@ -1621,6 +1648,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>(ci >> 1) & 1);  // and its bulk copies
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
+    const uint32_t K_a = ca.raw_kw ? KW_a : W_a, TM_a = W_a + TMOFF;  // raw_v: Z's k rows, Tm
     const Op* sU = reinterpret_cast<const Op*>(buf + UOFF);
     const float* sG = reinterpret_cast<const float*>(buf + GOFF);  // gamma (Diagonal decay: e^gamma_C)
     const float* sRn = sG + C;                                     // raw rows: inverse norms of q, then of k
@@ -1634,32 +1662,57 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
         for (int x = 0; x < 4; ++x) sa[kk][x] = pack2<Op>(ST[8 * kk + 2 * x], ST[8 * kk + 2 * x + 1]);
+      // rt = S^T W^T (raw_v: Z^T = S^T K^T), ot = S^T Q^T
+      const uint32_t r_a = rv ? K_a : W_a, r_cg = rv ? k_cg : CGB, r_rg = rv ? k_rg : 128;
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
-        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(W_a + kk * 2 * CGB, CGB, 128), true);
+        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(r_a + kk * 2 * r_cg, r_cg, r_rg), true);
         wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
       }
       wg::commit();
       // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
-      // for the update e^(gamma_C - gamma_t) (and raw k's norm), zero past L.
+      // for the update e^(gamma_C - gamma_t) (and raw k's norm), zero past L; raw_v: Z's columns
+      // e^gamma_t and raw k's norm.
       const float gl = diag ? 0.f : sG[L - 1];
-      if (wt < C)
+      if (wt < C) {
         s_eo[wt] = diag ? 1.f : __expf(sG[wt]) * (ca.raw_q ? sRn[wt] * a.scale : 1.f);
-      else
+        if (rv) s_ez[wt] = __expf(sG[wt]) * sRn[C + wt];
+      } else {
         s_es[wt - C] = wt - C < L ? (diag ? 1.f : __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f)) : 0.f;
+      }
       asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
+      if (rv) {
+        // R^T = (V^T - Z^T Diag(e^gamma rn_k)) Tm^T: Y^T's 16-bit A fragments.
+        wg::wait<0>();
+#pragma unroll
+        for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
+        const unsigned char* sV = buf + UOFF;
+        uint32_t ya[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int j = 8 * kk + 2 * x, c = 64 * g + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
+            const Op* vp = reinterpret_cast<const Op*>(sV + (c >> 3) * CGB + t * 16 + (c & 7) * 2);
+            ya[kk][x] = pack2<Op>(to_float(vp[0]) - rt[j] * s_ez[t], to_float(vp[8]) - rt[j + 1] * s_ez[t + 1]);
+          }
+        wg::fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(rt, ya[kk], wg::desc(TM_a + kk * 2 * CGB, CGB, 128), kk > 0);
+        wg::commit();
+      }
       wg::wait<0>();
 #pragma unroll
       for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
     }
-    // R^T = U^T - S^T W^T; its 16-bit fragments as is (for O) and scaled (for the update); O^T's columns
+    // R^T = U^T - S^T W^T (raw_v: formed above); its 16-bit fragments as is (for O) and scaled (for the update); O^T's columns
     // scaled; the state decayed.
     uint32_t rb[4][4], ra[4][4];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-      rt[j] = to_float(sU[blocked_at(t, 64 * g + (c & ~7)) + (c & 7)]) - rt[j];
+      if (!rv) rt[j] = to_float(sU[blocked_at(t, 64 * g + (c & ~7)) + (c & 7)]) - rt[j];
       ot[j] *= s_eo[t];
     }
 #pragma unroll
@@ -1750,12 +1803,13 @@ bool state_wg_runs() {
 
 /// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs).
 template <class Tin, class Op, int WGS>
-cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, cudaStream_t stream) {
+cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+                            cudaStream_t stream) {
   constexpr size_t bytes = wg_smem_bytes(64 * WGS);
   auto* kernel = state_wg_kernel<Tin, Op, WGS>;
   static const cudaError_t set = allow_smem(kernel, bytes);
   if (set != cudaSuccess) return set;
-  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca, tq, tk);
+  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
   return cudaGetLastError();
 }
 
@@ -1775,7 +1829,14 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-/// A tensor map over the 16-bit rows of q or k ([N, T, H, 128] with element strides s; K = 128,
+/// True when the forward's sequential pass of `ca` runs state_wg_kernel (chunk_wg_pass).
+template <class Tin, class Op>
+bool wg_pass_runs(const ChunkArgs& ca) {
+  return !ca.bwd && wgmma_allowed() && ca.state_vt >= 64 &&
+         (ca.state_vt == 128 ? state_wg_runs<Tin, Op, 2>() : state_wg_runs<Tin, Op, 1>());
+}
+
+/// A tensor map over the 16-bit rows of q, k or v ([N, T, H, 128] with element strides s; K = 128,
 /// 16-byte aligned rows) whose box is one chunk's tile of one head in the packed blocked layout:
 /// dimensions (8 channels, T tokens, 16 channel groups, H, N), box (8, C, 16, 1, 1), so that the box
 /// lands as 16 column groups of C rows x 16 bytes. Returns false where the map cannot be made.
@@ -1807,8 +1868,8 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
   // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall). The intra-chunk
   // kernel then writes its tiles blocked for it.
-  const bool wg_pass = !ca.bwd && wgmma_allowed() && ca.state_vt >= 64 &&
-                       (ca.state_vt == 128 ? state_wg_runs<Tin, Op, 2>() : state_wg_runs<Tin, Op, 1>());
+  const bool wg_pass = wg_pass_runs<Tin, Op>(ca);
+  if (ca.raw_v && !wg_pass) return cudaErrorInvalidValue;  // the workspace has no W and U for another pass
   ChunkArgs c = ca;
   c.blocked = wg_pass;
   const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
@@ -1820,18 +1881,21 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   if (wg_pass) {
     // Raw q and k rows by tensor copies where their maps can be made (B = 0 for packed sequences, whose
     // tokens all lie in one row of the map).
-    CUtensorMap tq{}, tk{};
+    CUtensorMap tq{}, tk{}, tv{};
     const bool f16 = std::is_same_v<Op, __half>;
     const int n_map = a.cu_seqlens ? 1 : a.N;
     c.tma_rows = (ca.raw_q || ca.raw_kw) && tma_allowed() &&
                  (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
-                 (!ca.raw_kw || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16));
+                 (!(ca.raw_kw || ca.raw_v) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
+                 (!ca.raw_v || raw_rows_map(&tv, a.v, a.sv, a.T, a.HV, n_map, f16));
     *impl = ca.state_vt == 64                 ? "cuda/chunkwise/wgmma/v64"
+            : ca.raw_v && c.tma_rows          ? "cuda/chunkwise/wgmma/v128/rawv/tma"
+            : ca.raw_v                        ? "cuda/chunkwise/wgmma/v128/rawv"
             : c.tma_rows                      ? "cuda/chunkwise/wgmma/v128/raw/tma"
             : ca.raw_q || ca.raw_kw           ? "cuda/chunkwise/wgmma/v128/raw"
                                               : "cuda/chunkwise/wgmma/v128";
-    return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, tq, tk, stream)
-                              : launch_state_wg<Tin, Op, 1>(c, tq, tk, stream);
+    return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, tq, tk, tv, stream)
+                              : launch_state_wg<Tin, Op, 1>(c, tq, tk, tv, stream);
   }
   switch (ca.state_vt) {
     case 128:
@@ -1851,6 +1915,12 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
 }  // namespace dgps::cuda::kernels::chunk
 
 namespace dgps::cuda::kernels {
+
+template <class Tin>
+bool chunk_wg_pass(const ChunkArgs& c) {
+  using Op = std::conditional_t<std::is_same_v<Tin, __half>, __half, __nv_bfloat16>;
+  return chunk::wg_pass_runs<Tin, Op>(c);
+}
 
 template <class Tin>
 cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl) {

@@ -121,9 +121,11 @@ constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::
 /// then). Returns the name of the kernel that ran: "cuda/chunkwise/v64" (or v128, v32, v16: the
 /// chunkwise kernels, value columns per block of the state pass; "/raw" when it reads q and k rows
 /// from the inputs; "cuda/chunkwise/wgmma/v128" or "/v64" when it runs on Hopper's warpgroup
-/// products, "cuda/chunkwise/wgmma/v128/raw/tma" when it also copies the raw rows with tensor copies;
-/// the environment variables DGPS_CUDA_WGMMA=0, DGPS_CUDA_TMA=0 and DGPS_CUDA_RAW_QK=0 turn these off
-/// for testing and benchmarks), "cuda/rowblock/v64" (block-row kernel, 64 value
+/// products, "cuda/chunkwise/wgmma/v128/raw/tma" when it also copies the raw rows with tensor copies,
+/// "cuda/chunkwise/wgmma/v128/rawv/tma" when with the delta rule (V = 128) it also forms the residual
+/// from the raw v rows and the intra-chunk solve instead of reading W and U;
+/// the environment variables DGPS_CUDA_WGMMA=0, DGPS_CUDA_TMA=0, DGPS_CUDA_RAW_QK=0 and DGPS_CUDA_RAW_V=0
+/// turn these off for testing and benchmarks), "cuda/rowblock/v64" (block-row kernel, 64 value
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
 /// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
 const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);

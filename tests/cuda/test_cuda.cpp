@@ -217,25 +217,36 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   // zero-filled, the last chunk's also past the tensor's end), GVA, the norm off with another scale
   // (models without the delta rule); then the same problems with DGPS_CUDA_RAW_QK=0 (the intra-chunk
   // kernel's Qn / KWn tiles), and on Hopper's warpgroup state pass the raw rows by cp.async instead of
-  // tensor copies (DGPS_CUDA_TMA=0; with them, a sequence's last, partial chunk still goes by cp.async).
-  for (const char* raw : {"1", "0", "1/cp"}) {
-    setenv("DGPS_CUDA_RAW_QK", raw[0] == '1' ? "1" : "0", 1);
-    setenv("DGPS_CUDA_TMA", raw[1] ? "0" : "1", 1);
-    const std::string tag = std::string("chunk/raw") + raw + "/";
+  // tensor copies (DGPS_CUDA_TMA=0; with them, a sequence's last, partial chunk still goes by cp.async)
+  // and with W and U from the intra-chunk kernel instead of the residual from the raw v rows and Tm
+  // (DGPS_CUDA_RAW_V=0; raw v rows only with the delta rule's Online solve).
+  struct RawMode {
+    const char* tag;
+    bool raw, tma, raw_v;
+  };
+  for (const RawMode& r : {RawMode{"1", true, true, true}, RawMode{"0", false, true, true},
+                           RawMode{"1/cp", true, false, true}, RawMode{"1/w", true, true, false}}) {
+    setenv("DGPS_CUDA_RAW_QK", r.raw ? "1" : "0", 1);
+    setenv("DGPS_CUDA_TMA", r.tma ? "1" : "0", 1);
+    setenv("DGPS_CUDA_RAW_V", r.raw_v ? "1" : "0", 1);
+    const std::string tag = std::string("chunk/raw") + r.tag + "/";
     for (const char* m : {"gdn", "pgdn", "pmamba2", "mamba2"}) {
       Case c = make_random(m, {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
                            {0, 1, 70, 70, 200, 300}, seed++);
-      if (std::string(m).find("mamba2") != std::string::npos) c.opt.l2norm_qk = false, c.opt.scale = 0.03;
+      const bool mamba = std::string(m).find("mamba2") != std::string::npos;  // Offline: no raw v rows
+      if (mamba) c.opt.l2norm_qk = false, c.opt.scale = 0.03;
       const std::string impl = compare(tag + m + "/varlen_K128", c, DType::bf16, DType::bf16, ws, nullptr);
-      report_check((impl.find("/raw") != std::string::npos) == (raw[0] == '1'), tag + m + ": variant " + impl);
+      report_check((impl.find("/raw") != std::string::npos) == r.raw, tag + m + ": variant " + impl);
       const bool wg = impl.find("/wgmma/") != std::string::npos;
-      report_check((impl.find("/tma") != std::string::npos) == (wg && raw[0] == '1' && !raw[1]),
-                   tag + m + ": tensor copies " + impl);
+      report_check((impl.find("/tma") != std::string::npos) == (wg && r.raw && r.tma), tag + m + ": tensor copies " + impl);
+      report_check((impl.find("/rawv") != std::string::npos) == (wg && r.raw && r.raw_v && !mamba),
+                   tag + m + ": raw v rows " + impl);
       compare(tag + m + "/varlen_K128", c, DType::f16, DType::f32, ws, nullptr);
     }
   }
   unsetenv("DGPS_CUDA_RAW_QK");
   unsetenv("DGPS_CUDA_TMA");
+  unsetenv("DGPS_CUDA_RAW_V");
   // The state pass on Hopper's warpgroup products (sm_90a, the default there for 64- and 128-column
   // tiles) and on mma.sync (DGPS_CUDA_WGMMA=0; narrower tiles; every other GPU): each value-tile width
   // (128 columns with raw rows and with Diagonal decay, 64, 32, and 32 of a 64-wide V, 16), an Offline
@@ -277,9 +288,10 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         const std::string impl = compare(name, c, w.d, DType::f32, ws, nullptr);
         const std::string tile = w.tile;
         const bool want = wg[0] == '1' && hopper && (tile.rfind("v128", 0) == 0 || tile == "v64");
-        // Hopper copies the raw rows with tensor copies (DGPS_CUDA_TMA, on by default).
-        const std::string tma = want && tile == "v128/raw" ? "/tma" : "";
-        report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + w.tile + tma,
+        // Hopper copies the raw rows with tensor copies (DGPS_CUDA_TMA, on by default) and, with the
+        // delta rule, v's too (ChunkArgs::raw_v).
+        const std::string expect = want && tile == "v128/raw" ? "v128/rawv/tma" : tile;
+        report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + expect,
                      name + ": variant " + impl);
         if (quick) break;
       }
