@@ -1543,8 +1543,9 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
   const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
   // raw_v: the raw v rows in U's place, and the raw k rows in W's place unless KW is k itself (rk).
-  const bool rv = ca.raw_v, rk = rv && !ca.raw_kw;
-  static_assert(!(VT == 128) || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
+  // (128 columns only: the host sets raw_v with 128-column tiles, and v's tile is then one packed key tile.)
+  const bool rv = VT == 128 && ca.raw_v, rk = rv && !ca.raw_kw;
+  static_assert(VT != 128 || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
   // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
   auto rows_by_threads = [&](int rows) { return raw && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
