@@ -250,9 +250,11 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
                    a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
   c.raw_q = raw && a.precond != kernels::kPrecondATQ;
   c.raw_kw = raw && a.precond != kernels::kPrecondATK;
-  // On Hopper's warpgroup state pass the residual's products move there too (ChunkArgs::raw_v): the
-  // intra-chunk kernel writes the solve Tm instead of W and U, and reads no v rows.
-  c.raw_v = raw && a.online && p.V == kernels::kChunkMaxV && vec_rows(p.v, p.V) && raw_v_allowed() &&
+  // On Hopper's warpgroup state pass (128-column tiles) the residual's products move there too
+  // (ChunkArgs::raw_v): the intra-chunk kernel writes the solve Tm (and, without raw k rows, K ⊙ e^gamma)
+  // instead of W and U, and reads no v rows.
+  c.raw_v = p.dtype != DType::f32 && c.state_vt == 128 && a.online && p.V == kernels::kChunkMaxV &&
+            vec_rows(p.v, p.V) && raw_v_allowed() &&
             (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);

@@ -50,7 +50,9 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const size_t op = 2;  // bf16 or f16 operands
   c.map = reinterpret_cast<int2*>(take(a.cu_seqlens ? sizeof(int2) * size_t(c.chunk_bound) : 0));
   c.first = reinterpret_cast<int64_t*>(take(a.cu_seqlens ? sizeof(int64_t) * size_t(a.N + 1) : 0));
-  c.W = (a.online || c.bwd) && !c.raw_v ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
+  // raw_v: no W, but K ⊙ e^gamma in its place unless the state pass reads raw k rows
+  const bool raw_k = c.raw_v && (c.raw_q || c.raw_kw);
+  c.W = (a.online || c.bwd) && !raw_k ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
   c.Qn = c.raw_q ? nullptr : take(op * tiles * kChunk * kChunkKeys);
   c.KWn = c.raw_kw ? nullptr : take(op * tiles * kChunk * kChunkKeys);
   c.rn = c.raw_q || c.raw_kw ? reinterpret_cast<float*>(take(sizeof(float) * tiles * 2 * kChunk)) : nullptr;

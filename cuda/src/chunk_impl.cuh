@@ -862,6 +862,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         *reinterpret_cast<uint4*>(KWn + at) = xw;
         *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
         if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
+        if (ca.raw_v) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + at) = xk;  // K ⊙ e^gamma in W's place
         continue;
       }
       if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + at) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
@@ -875,7 +876,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(sG[(C - 1) * LDG + tid]);
       return;
     }
-    if (ca.raw_v) return;  // no W: the state pass scales its own k rows
+    if (ca.raw_v && (ca.raw_q || ca.raw_kw)) return;  // no W: the state pass scales its own raw k rows
     __syncthreads();  // KW may be K itself
     for (int e = tid; e < C * KP / 8; e += kThreads) {
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
@@ -884,6 +885,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
 #pragma unroll
       for (int j = 0; j < 8; ++j) xk[j] = from_float<Op>(to_float(xk[j]) * s_eg[r]);
       *reinterpret_cast<uint4*>(sK + r * LDK + c8) = *reinterpret_cast<const uint4*>(xk);
+      // raw_v without raw rows: K ⊙ e^gamma itself in W's place (blocked), for the state pass's K S
+      if (ca.raw_v) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + blocked_at(r, c8)) = *reinterpret_cast<const uint4*>(xk);
     }
   };
 
@@ -1055,7 +1058,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
   if (!diag && !atk_nd) tiles_out();
-  if (ca.raw_v) return;  // the state pass makes W S and U from Tm, the raw k and v rows
+  if (ca.raw_v) return;  // the state pass makes W S and U from Tm, the k rows and the raw v rows
   {  // v rows into the (now free) Akk / inverse region
     const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
     if (ca.Vpad == 64)
@@ -1542,12 +1545,14 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   float* s_ez = s_es + C;                                              // and of K's rows in Z (raw_v)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
   const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
-  // raw_v: the raw v rows in U's place, and the raw k rows in W's place unless KW is k itself (rk).
+  // raw_v: the raw v rows in U's place; Z's k rows are KW's tile when that is raw k (raw_kw), raw k rows
+  // copied into W's place when q's rows are raw but KW is not k (rk), or else the intra-chunk kernel's
+  // K ⊙ e^gamma (normalised and decayed already) in W's place (kg).
   // (128 columns only: the host sets raw_v with 128-column tiles, and v's tile is then one packed key tile.)
-  const bool rv = VT == 128 && ca.raw_v, rk = rv && !ca.raw_kw;
+  const bool rv = VT == 128 && ca.raw_v, rk = rv && raw && !ca.raw_kw, kg = rv && !raw;
   static_assert(VT != 128 || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
   // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
-  auto rows_by_threads = [&](int rows) { return raw && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
+  auto rows_by_threads = [&](int rows) { return (raw || rv) && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
@@ -1562,7 +1567,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   }
   __syncthreads();
   // Bytes of one chunk's bulk copies (the same for every chunk).
-  const uint32_t bulk_bytes = (a.online && !rv ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) + 2 * C * C +
+  const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) + 2 * C * C +
                               (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) + (ca.raw_q ? 0 : kWgPacked) +
                               (ca.raw_kw ? 0 : kWgPacked);
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
@@ -1589,7 +1594,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
-      if (raw && !by_threads) {  // the raw rows' tiles by tensor copies
+      if ((raw || rv) && !by_threads) {  // the raw rows' tiles by tensor copies
         wg::bar_expect(bar, bulk_bytes + (ca.raw_q + ca.raw_kw + rk + rv) * kWgPacked);
         const int ti = static_cast<int>(t), bn = static_cast<int>(b);
         if (ca.raw_q) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
@@ -1599,7 +1604,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       } else {
         wg::bar_expect(bar, bulk_bytes);
       }
-      if (a.online && !rv) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
+      if (a.online && (!rv || kg)) wg::bulk_copy(dst, static_cast<const Op*>(ca.W) + tile * KP, kWgPacked, bar);
       if (rv)
         wg::bulk_copy(dst + TMOFF, static_cast<const Op*>(ca.Tm) + tile * C, 2 * C * C, bar);
       else
@@ -1678,7 +1683,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       const float gl = diag ? 0.f : sG[L - 1];
       if (wt < C) {
         s_eo[wt] = diag ? 1.f : __expf(sG[wt]) * (ca.raw_q ? sRn[wt] * a.scale : 1.f);
-        if (rv) s_ez[wt] = __expf(sG[wt]) * sRn[C + wt];
+        if (rv) s_ez[wt] = kg ? 1.f : __expf(sG[wt]) * sRn[C + wt];
       } else {
         s_es[wt - C] = wt - C < L ? (diag ? 1.f : __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f)) : 0.f;
       }
@@ -1885,16 +1890,17 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     CUtensorMap tq{}, tk{}, tv{};
     const bool f16 = std::is_same_v<Op, __half>;
     const int n_map = a.cu_seqlens ? 1 : a.N;
-    c.tma_rows = (ca.raw_q || ca.raw_kw) && tma_allowed() &&
+    c.tma_rows = (ca.raw_q || ca.raw_kw || ca.raw_v) && tma_allowed() &&
                  (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
-                 (!(ca.raw_kw || ca.raw_v) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
+                 (!(ca.raw_kw || (ca.raw_v && ca.raw_q)) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
                  (!ca.raw_v || raw_rows_map(&tv, a.v, a.sv, a.T, a.HV, n_map, f16));
-    *impl = ca.state_vt == 64                 ? "cuda/chunkwise/wgmma/v64"
-            : ca.raw_v && c.tma_rows          ? "cuda/chunkwise/wgmma/v128/rawv/tma"
-            : ca.raw_v                        ? "cuda/chunkwise/wgmma/v128/rawv"
-            : c.tma_rows                      ? "cuda/chunkwise/wgmma/v128/raw/tma"
-            : ca.raw_q || ca.raw_kw           ? "cuda/chunkwise/wgmma/v128/raw"
-                                              : "cuda/chunkwise/wgmma/v128";
+    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm)
+    static const char* const names[8] = {
+        "cuda/chunkwise/wgmma/v128",     "cuda/chunkwise/wgmma/v128/rv",         "cuda/chunkwise/wgmma/v128/tma",
+        "cuda/chunkwise/wgmma/v128/tma/rv", "cuda/chunkwise/wgmma/v128/raw",     "cuda/chunkwise/wgmma/v128/raw/rv",
+        "cuda/chunkwise/wgmma/v128/raw/tma", "cuda/chunkwise/wgmma/v128/raw/tma/rv"};
+    *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
+                              : names[4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows + ca.raw_v];
     return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, tq, tk, tv, stream)
                               : launch_state_wg<Tin, Op, 1>(c, tq, tk, tv, stream);
   }

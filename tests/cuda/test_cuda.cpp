@@ -237,10 +237,10 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       if (mamba) c.opt.l2norm_qk = false, c.opt.scale = 0.03;
       const std::string impl = compare(tag + m + "/varlen_K128", c, DType::bf16, DType::bf16, ws, nullptr);
       report_check((impl.find("/raw") != std::string::npos) == r.raw, tag + m + ": variant " + impl);
-      const bool wg = impl.find("/wgmma/") != std::string::npos;
-      report_check((impl.find("/tma") != std::string::npos) == (wg && r.raw && r.tma), tag + m + ": tensor copies " + impl);
-      report_check((impl.find("/rawv") != std::string::npos) == (wg && r.raw && r.raw_v && !mamba),
-                   tag + m + ": raw v rows " + impl);
+      const bool wg = impl.find("/wgmma/") != std::string::npos, rv = wg && r.raw_v && !mamba;
+      report_check((impl.find("/tma") != std::string::npos) == (wg && r.tma && (r.raw || rv)),
+                   tag + m + ": tensor copies " + impl);
+      report_check((impl.find("/rv") != std::string::npos) == rv, tag + m + ": raw v rows " + impl);
       compare(tag + m + "/varlen_K128", c, DType::f16, DType::f32, ws, nullptr);
     }
   }
@@ -269,6 +269,8 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
          DType::bf16, "v128/raw"},
         {"kda", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {},
          DType::bf16, "v128"},
+        {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 64, .value_dim = 128}, {},
+         DType::bf16, "v128"},
         {"pgdn", {.batch = 3, .time = 150, .heads = 8, .v_heads = 24, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
          "v64"},
         {"pkda", {.batch = 1, .time = 300, .heads = 10, .v_heads = 10, .key_dim = 128, .value_dim = 128},
@@ -289,8 +291,9 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         const std::string tile = w.tile;
         const bool want = wg[0] == '1' && hopper && (tile.rfind("v128", 0) == 0 || tile == "v64");
         // Hopper copies the raw rows with tensor copies (DGPS_CUDA_TMA, on by default) and, with the
-        // delta rule, v's too (ChunkArgs::raw_v).
-        const std::string expect = want && tile == "v128/raw" ? "v128/rawv/tma" : tile;
+        // delta rule and 128-column tiles, v's too (ChunkArgs::raw_v: KDA's with its K ⊙ e^gamma tile,
+        // K = 64's likewise).
+        const std::string expect = !want || tile.rfind("v128", 0) != 0 ? tile : tile + "/tma/rv";
         report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + expect,
                      name + ": variant " + impl);
         if (quick) break;
