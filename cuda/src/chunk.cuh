@@ -24,10 +24,10 @@
 ///      64 and 128 columns run `state_wg_kernel` instead (warpgroup products, the state in
 ///      accumulators): the intra-chunk kernel writes its tiles blocked for it (ChunkArgs::blocked), one
 ///      thread copies each chunk's tiles with bulk copies and the raw q, k rows with tensor copies
-///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer. With raw rows, the delta rule
-///      and V = 128 that pass also reads the raw v rows and the solve Tm and forms R = Tm (V - Diag(e^gamma)
-///      K S) itself (ChunkArgs::raw_v): the intra-chunk kernel then stops after the solve (no v rows, no
-///      W or U).
+///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer. With 128-column tiles, 16-bit
+///      inputs, the delta rule and V = 128 that pass also reads the raw v rows and the solve Tm and forms
+///      R = Tm (V - Diag(e^gamma) K S) itself (ChunkArgs::raw_v): the intra-chunk kernel then stops
+///      after the solve (no v rows, no W or U products).
 #pragma once
 
 #include <cstddef>
@@ -191,11 +191,14 @@ struct ChunkArgs {
   /// engine (tensor maps over q and k, whose boxes land as packed blocked tiles) instead of cp.async.
   bool tma_rows = false;
   float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
-  /// Forward on the warpgroup state pass with raw rows (raw_q or raw_kw), an Online solve and V = 128:
-  /// the pass forms the residual as R = Tm (V - Diag(e^gamma) K S) from the raw v and k rows (tensor
-  /// copies where the maps can be made) and the solve Tm, which the intra-chunk kernel writes blocked to
-  /// `Tm` instead of W = Tm (K ⊙ e^gamma) and U = Tm V (neither allocated nor written: the intra-chunk
-  /// kernel reads no v rows and makes neither product; 24 KB less traffic per tile).
+  /// Forward on the warpgroup state pass with 128-column tiles, 16-bit inputs, an Online solve and V =
+  /// 128: the pass forms the residual as R = Tm (V - Diag(e^gamma) K S) from the raw v rows (tensor
+  /// copies where the map can be made), k rows and the solve Tm, which the intra-chunk kernel writes
+  /// blocked to `Tm` instead of W = Tm (K ⊙ e^gamma) and U = Tm V (U is neither allocated nor written:
+  /// the intra-chunk kernel reads no v rows and makes neither product; 24 KB less traffic per tile).
+  /// The k rows are raw (KW's tile with raw_kw, else copied into W's place when raw_q is set) or, without
+  /// raw rows, K ⊙ e^gamma (normalised, decayed per channel with Diagonal decay) that the intra-chunk
+  /// kernel writes blocked to `W`.
   bool raw_v = false;
   void* Tm = nullptr;  ///< [chunk_bound, HV, C, C] the solve Tm = (I + Akk)^{-1} Diag(beta) (raw_v)
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the

@@ -1518,10 +1518,11 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
 /// completing on the buffer's mbarrier. Raw q and k rows (ChunkArgs::raw_q, raw_kw) come by tensor
 /// copies through the maps tq and tk (ChunkArgs::tma_rows; a packed sequence's last, partial chunk by
 /// cp.async), or else by every thread (cp.async) into padded column groups.
-/// With ChunkArgs::raw_v (Online, V = 128) the intra-chunk kernel wrote the solve Tm instead of W and U,
-/// and R^T comes from the raw k and v rows (map tv over v; k through tk):
+/// With ChunkArgs::raw_v (Online, V = 128, 128 columns) the intra-chunk kernel wrote the solve Tm instead
+/// of W and U, and R^T comes from the k rows and the raw v rows (map tv over v; raw k through tk):
 ///   Z^T = S^T K^T (8 products, K the raw k rows), Y^T = V^T - Z^T Diag(e^gamma rn_k) in registers,
-///   R^T = Y^T Tm^T (4 more products, A = Y^T from registers), since W S = Tm Diag(e^gamma) K S.
+///   R^T = Y^T Tm^T (4 more products, A = Y^T from registers), since W S = Tm Diag(e^gamma) K S;
+/// without raw rows (kg) K is the intra-chunk kernel's K ⊙ e^gamma in W's place and Y^T = V^T - Z^T.
 template <class Tin, class Op, int WGS>
 __global__ void __launch_bounds__(WGS * 128, 1)
     state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,

@@ -122,8 +122,9 @@ constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::
 /// chunkwise kernels, value columns per block of the state pass; "/raw" when it reads q and k rows
 /// from the inputs; "cuda/chunkwise/wgmma/v128" or "/v64" when it runs on Hopper's warpgroup
 /// products, "cuda/chunkwise/wgmma/v128/raw/tma" when it also copies the raw rows with tensor copies,
-/// "cuda/chunkwise/wgmma/v128/rawv/tma" when with the delta rule (V = 128) it also forms the residual
-/// from the raw v rows and the intra-chunk solve instead of reading W and U;
+/// ".../v128/raw/tma/rv" (or ".../v128/tma/rv" without raw q and k rows) when with the delta rule
+/// (16-bit inputs, V = 128) it also forms the residual from the raw v rows and the intra-chunk solve
+/// instead of reading W and U;
 /// the environment variables DGPS_CUDA_WGMMA=0, DGPS_CUDA_TMA=0, DGPS_CUDA_RAW_QK=0 and DGPS_CUDA_RAW_V=0
 /// turn these off for testing and benchmarks), "cuda/rowblock/v64" (block-row kernel, 64 value
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
