@@ -886,7 +886,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       for (int j = 0; j < 8; ++j) xk[j] = from_float<Op>(to_float(xk[j]) * s_eg[r]);
       *reinterpret_cast<uint4*>(sK + r * LDK + c8) = *reinterpret_cast<const uint4*>(xk);
       // raw_v without raw rows: K ⊙ e^gamma itself in W's place (blocked), for the state pass's K S
-      if (ca.raw_v) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + blocked_at(r, c8)) = *reinterpret_cast<const uint4*>(xk);
+      if (ca.raw_v)
+        *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + blocked_at(r, c8)) = *reinterpret_cast<const uint4*>(xk);
     }
   };
 
@@ -1713,8 +1714,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
 #pragma unroll
       for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
     }
-    // R^T = U^T - S^T W^T (raw_v: formed above); its 16-bit fragments as is (for O) and scaled (for the update); O^T's columns
-    // scaled; the state decayed.
+    // R^T = U^T - S^T W^T (raw_v: formed above); its 16-bit fragments as is (for O) and scaled (for the
+    // update); O^T's columns scaled; the state decayed.
     uint32_t rb[4][4], ra[4][4];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
