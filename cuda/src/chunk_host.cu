@@ -50,7 +50,8 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const size_t op = 2;  // bf16 or f16 operands
   c.map = reinterpret_cast<int2*>(take(a.cu_seqlens ? sizeof(int2) * size_t(c.chunk_bound) : 0));
   c.first = reinterpret_cast<int64_t*>(take(a.cu_seqlens ? sizeof(int64_t) * size_t(a.N + 1) : 0));
-  // raw_v: no W, but K ⊙ e^gamma in its place unless the state pass reads raw k rows
+  // raw_v: no W, but K ⊙ e^gamma in its place unless the state pass reads raw k rows (the same test
+  // decides in intra_kernel's tiles_out whether it writes K ⊙ e^gamma, and in state_wg_kernel `kg`)
   const bool raw_k = c.raw_v && (c.raw_q || c.raw_kw);
   c.W = (a.online || c.bwd) && !raw_k ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
   c.Qn = c.raw_q ? nullptr : take(op * tiles * kChunk * kChunkKeys);

@@ -876,7 +876,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(sG[(C - 1) * LDG + tid]);
       return;
     }
-    if (ca.raw_v && (ca.raw_q || ca.raw_kw)) return;  // no W: the state pass scales its own raw k rows
+    // No W: the state pass scales its own raw k rows (chunk_workspace allocates W by the same test).
+    if (ca.raw_v && (ca.raw_q || ca.raw_kw)) return;
     __syncthreads();  // KW may be K itself
     for (int e = tid; e < C * KP / 8; e += kThreads) {
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
