@@ -246,16 +246,29 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
   // operands already: 16-bit, 128 keys, 16-byte rows, the decays per token (not per channel); and
   // only in its 8-warp configuration (many heads). With a producer warp (few, long sequences) the
   // strided raw rows made it slower: B=1 T=32768 GDN 1.28 -> 1.80 ms, against B=8 T=2048 0.478 -> 0.470.
-  const bool raw = raw_rows_allowed() && p.dtype != DType::f32 && p.K == kernels::kChunkKeys && c.vec_qk &&
-                   a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
-  c.raw_q = raw && a.precond != kernels::kPrecondATQ;
-  c.raw_kw = raw && a.precond != kernels::kPrecondATK;
   // On Hopper's warpgroup state pass (128-column tiles) the residual's products move there too
   // (ChunkArgs::raw_v): the intra-chunk kernel writes the solve Tm (and, without raw k rows, K ⊙ e^gamma)
   // instead of W and U, and reads no v rows.
-  c.raw_v = p.dtype != DType::f32 && c.state_vt == 128 && a.online && p.V == kernels::kChunkMaxV &&
-            vec_rows(p.v, p.V) && raw_v_allowed() &&
-            (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
+  auto choose_rows = [&] {
+    const bool raw = raw_rows_allowed() && p.dtype != DType::f32 && p.K == kernels::kChunkKeys && c.vec_qk &&
+                     a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
+    c.raw_q = raw && a.precond != kernels::kPrecondATQ;
+    c.raw_kw = raw && a.precond != kernels::kPrecondATK;
+    c.raw_v = p.dtype != DType::f32 && c.state_vt == 128 && a.online && p.V == kernels::kChunkMaxV &&
+              vec_rows(p.v, p.V) && raw_v_allowed() &&
+              (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
+  };
+  // Few long sequences: the warpgroup pass with 128-column tiles over segments of each sequence
+  // (ChunkArgs::split), where it has raw v rows; else the narrow tiles state_value_tile chose.
+  const int narrow = c.state_vt;
+  c.split = kernels::split_segments(c);
+  if (c.split > 1) c.state_vt = 128;
+  choose_rows();
+  if (c.split > 1 && !c.raw_v) {
+    c.split = 0;
+    c.state_vt = narrow;
+    choose_rows();
+  }
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);
   return run_chunkwise(c, p.dtype, s);

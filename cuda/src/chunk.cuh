@@ -27,7 +27,10 @@
 ///      (ChunkArgs::tma_rows), all completing on an mbarrier per buffer. With 128-column tiles, 16-bit
 ///      inputs, the delta rule and V = 128 that pass also reads the raw v rows and the solve Tm and forms
 ///      R = Tm (V - Diag(e^gamma) K S) itself (ChunkArgs::raw_v): the intra-chunk kernel then stops
-///      after the solve (no v rows, no W or U products).
+///      after the solve (no v rows, no W or U products). A few long sequences (too few (sequence, value
+///      head) pairs for the SMs) split that pass into segments (ChunkArgs::split): each segment's
+///      transition and offset in parallel, `split_scan_kernel` chaining them, then every segment's
+///      outputs from its start state.
 #pragma once
 
 #include <cstddef>
@@ -201,6 +204,17 @@ struct ChunkArgs {
   /// kernel writes blocked to `W`.
   bool raw_v = false;
   void* Tm = nullptr;  ///< [chunk_bound, HV, C, C] the solve Tm = (I + Akk)^{-1} Diag(beta) (raw_v)
+  /// The split state pass (raw_v, equal-length sequences, few (sequence, value head) pairs, long
+  /// sequences; split_segments): each sequence's chunks in `split` segments of `seg_chunks` (the last
+  /// may be shorter), so that one sequence's sequential pass runs on several SMs. Each segment's state
+  /// map S -> A S + B is linear: pass 1 (state_wg_kernel with TR) runs every segment but the last from
+  /// S = I with no values (giving A) and from S = 0 (giving B), `split_scan_kernel` chains the segments
+  /// from h0 in float32, and pass 2 (the forward's state pass) runs every segment from its start state,
+  /// writing o and, in the last segment, hT. 0 or 1: no split.
+  int split = 0;
+  int64_t seg_chunks = 0;  ///< chunks per segment (split)
+  float* Tseg = nullptr;   ///< [N, HV, split - 1, 2, 128, 128] per segment A^T, then B^T (rows: columns of S)
+  float* Sseg = nullptr;   ///< [N, HV, split, 128, 128] the state entering each segment, transposed
   // Backward mode (launch_chunk_backward, chunk_backward.cuh): the intra-chunk kernel forms the
   // unscaled residuals' solve T2 = (I + Bm Diag(beta))^{-1} (W = T2 (K ⊙ e^gamma), U = T2 V, so the
   // state pass's R is the residual r itself, its update rows scaled by the gains) and writes Kn and
@@ -227,6 +241,13 @@ size_t chunk_workspace(ChunkArgs& c, void* base);
 /// Value columns per block of the forward's state pass (128 with 8 warps, or 64, 32, 16 with 4 compute
 /// warps and a producer warp): the widest tile that still gives every SM a block and fits the device.
 int state_value_tile(const RecArgs& a, int Vpad);
+
+/// Segments per sequence of the split state pass (ChunkArgs::split) for a call with 128-column tiles
+/// and raw v rows: 0 (no split) unless the sequences have equal lengths, few (sequence, value head)
+/// pairs leave most SMs idle (at most a sixth of them busy) and the sequences are long (16 chunks per
+/// segment at least). DGPS_CUDA_SPLIT=0 turns it off; DGPS_CUDA_SPLIT=n (n > 0) forces segments of n
+/// chunks wherever the split applies at all (a testing knob). Sets c.seg_chunks.
+int split_segments(ChunkArgs& c);
 
 /// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, every decay,
 /// K <= 128, V <= 128, and the device has the shared memory of the smallest variant

@@ -1,5 +1,6 @@
 /// @brief Host side of the chunkwise forward: coverage and the workspace layout.
 #include <algorithm>
+#include <cstdlib>
 
 #include "chunk.cuh"
 
@@ -24,6 +25,26 @@ int state_value_tile(const RecArgs& a, int Vpad) {
   if (heads * (Vpad / 64) >= sms && layout::state_smem_bytes(64) <= smem) return 64;
   if (heads * (Vpad / 32) >= sms && layout::state_smem_bytes(32) <= smem) return 32;
   return 16;
+}
+
+int split_segments(ChunkArgs& c) {
+  const RecArgs& a = c.a;
+  c.seg_chunks = 0;
+  const int64_t count = c.chunks_per_seq;
+  if (a.cu_seqlens || count < 2 || knob_off("DGPS_CUDA_SPLIT")) return 0;
+  const char* forced = std::getenv("DGPS_CUDA_SPLIT");
+  int64_t per = forced ? std::atoll(forced) : 0;
+  if (per <= 0) {  // automatic: as many segments as idle SMs allow, 16 chunks each at least
+    int sms = 132, dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int64_t segs = std::min<int64_t>(sms / (int64_t(a.N) * a.HV), count / 16);
+    if (segs < 6) return 0;
+    per = (count + segs - 1) / segs;
+  }
+  const int64_t segs = (count + per - 1) / per;  // every segment non-empty
+  if (segs < 2 || segs > 4096) return 0;
+  c.seg_chunks = per;
+  return static_cast<int>(segs);
 }
 
 bool chunk_covers(const RecArgs& a) {
@@ -62,6 +83,9 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   c.P = take(op * tiles * kChunk * kChunk);
   c.gam = reinterpret_cast<float*>(take(sizeof(float) * tiles * kChunk));
   c.egC = reinterpret_cast<float*>(take(a.decay == kDecayDiagonal ? sizeof(float) * tiles * kChunkKeys : 0));
+  const size_t heads = size_t(a.N) * size_t(a.HV), square = size_t(kChunkKeys) * kChunkKeys;
+  c.Tseg = reinterpret_cast<float*>(take(c.split > 1 ? sizeof(float) * heads * size_t(c.split - 1) * 2 * square : 0));
+  c.Sseg = reinterpret_cast<float*>(take(c.split > 1 ? sizeof(float) * heads * size_t(c.split) * square : 0));
   const bool diag = a.precond != kPrecondIdentity;
   const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
   c.sums = reinterpret_cast<float2*>(take(diag ? sizeof(float2) * stats : 0));

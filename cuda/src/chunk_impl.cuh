@@ -8,7 +8,9 @@
 /// rows an ldmatrix phase reads fall in different banks.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <cuda.h>  // CUtensorMap (types only: the driver's encoder is found at run time)
@@ -1525,7 +1527,12 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
 ///   Z^T = S^T K^T (8 products, K the raw k rows), Y^T = V^T - Z^T Diag(e^gamma rn_k) in registers,
 ///   R^T = Y^T Tm^T (4 more products, A = Y^T from registers), since W S = Tm Diag(e^gamma) K S;
 /// without raw rows (kg) K is the intra-chunk kernel's K ⊙ e^gamma in W's place and Y^T = V^T - Z^T.
-template <class Tin, class Op, int WGS>
+/// Split state pass (ChunkArgs::split; 128 columns with raw_v): block z runs segment z % segments of
+/// sequence z / segments. With TR (pass 1, segments but the last) block x = 0 starts from S = I and
+/// reads no v rows (its state at the segment's end is the segment's transition A), x = 1 from S = 0
+/// (the offset B); neither forms O, so no q rows and no P are copied; each writes S^T to Tseg. Without
+/// TR (pass 2) each segment starts from Sseg (split_scan_kernel's) and the last one writes hT.
+template <class Tin, class Op, int WGS, bool TR = false>
 __global__ void __launch_bounds__(WGS * 128, 1)
     state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                     const __grid_constant__ CUtensorMap tv) {
@@ -1554,11 +1561,18 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   // (128 columns only: the host sets raw_v with 128-column tiles, and v's tile is then one packed key tile.)
   const bool rv = VT == 128 && ca.raw_v, rk = rv && raw && !ca.raw_kw, kg = rv && !raw;
   static_assert(VT != 128 || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
+  static_assert(!TR || VT == 128, "the split pass runs 128-column tiles");
   // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
   auto rows_by_threads = [&](int rows) { return (raw || rv) && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
-  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * VT + 64 * g;  // the warpgroup's first column
+  // Split pass: segment `seg` of sequence n (TR: part 0 the transition, 1 the offset); TR reads the q
+  // rows, P and (part 0) v rows not at all.
+  const bool split = ca.split > 1;
+  const int segs = split ? ca.split - TR : 1, n = blockIdx.z / segs, seg = blockIdx.z % segs, hv = blockIdx.y;
+  const int part = TR ? blockIdx.x : 0, v0 = (TR ? 0 : blockIdx.x * VT) + 64 * g;  // the warpgroup's first column
+  const bool need_v = !TR || part == 1;
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
+  const int64_t c0 = split ? seg * ca.seg_chunks : 0, cend = split ? imin64(count, c0 + ca.seg_chunks) : count;
   const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
   if (!a.online) {  // Offline solve: W's tiles stay zero (never copied), so R = U
     for (int e = threadIdx.x; e < 2 * kWgPacked / 16; e += NT)
@@ -1570,9 +1584,10 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   }
   __syncthreads();
   // Bytes of one chunk's bulk copies (the same for every chunk).
-  const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) + 2 * C * C +
-                              (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) + (ca.raw_q ? 0 : kWgPacked) +
-                              (ca.raw_kw ? 0 : kWgPacked);
+  const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) +
+                              (TR ? 0 : 2 * C * C) + (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) +
+                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw ? 0 : kWgPacked);
+  const bool rq = ca.raw_q && !TR, rvc = rv && need_v;  // raw q rows, raw v rows copied
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
     unsigned char* buf = smem + bi * BUF;
     const int64_t hc = (first + ci) * a.HV + hv, tile = hc * C;
@@ -1584,26 +1599,26 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       const Op* k0 = static_cast<const Op*>(a.k) + b * a.sk[0] + t * a.sk[1] + h * a.sk[2];
       const Op* x0 = static_cast<const Op*>(a.v) + b * a.sv[0] + t * a.sv[1] + hv * a.sv[2];  // raw_v: VT = 128
       if (ca.tma_rows) {
-        if (ca.raw_q) copy_packed_async<NT>(buf + QOFF, q0, a.sq[1], rows);
+        if (rq) copy_packed_async<NT>(buf + QOFF, q0, a.sq[1], rows);
         if (ca.raw_kw) copy_packed_async<NT>(buf + KWOFF, k0, a.sk[1], rows);
       } else {
-        if (ca.raw_q) copy_blocked_async<KP, NT>(buf + QOFF, q0, a.sq[1], rows);
+        if (rq) copy_blocked_async<KP, NT>(buf + QOFF, q0, a.sq[1], rows);
         if (ca.raw_kw) copy_blocked_async<KP, NT>(buf + KWOFF, k0, a.sk[1], rows);
       }
       // W's and U's places hold packed tiles only (a padded one would overrun them).
       if (rk) copy_packed_async<NT>(buf, k0, a.sk[1], rows);
-      if (rv) copy_packed_async<NT>(buf + UOFF, x0, a.sv[1], rows);
+      if (rvc) copy_packed_async<NT>(buf + UOFF, x0, a.sv[1], rows);
     }
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
       if ((raw || rv) && !by_threads) {  // the raw rows' tiles by tensor copies
-        wg::bar_expect(bar, bulk_bytes + (ca.raw_q + ca.raw_kw + rk + rv) * kWgPacked);
+        wg::bar_expect(bar, bulk_bytes + (rq + ca.raw_kw + rk + rvc) * kWgPacked);
         const int ti = static_cast<int>(t), bn = static_cast<int>(b);
-        if (ca.raw_q) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
+        if (rq) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
         if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, ti, static_cast<int>(h), bn, bar);
         if (rk) wg::tensor_copy5(dst, &tk, ti, static_cast<int>(h), bn, bar);
-        if (rv) wg::tensor_copy5(dst + UOFF, &tv, ti, hv, bn, bar);
+        if (rvc) wg::tensor_copy5(dst + UOFF, &tv, ti, hv, bn, bar);
       } else {
         wg::bar_expect(bar, bulk_bytes);
       }
@@ -1612,18 +1627,18 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         wg::bulk_copy(dst + TMOFF, static_cast<const Op*>(ca.Tm) + tile * C, 2 * C * C, bar);
       else
         wg::bulk_copy(dst + UOFF, static_cast<const Op*>(ca.U) + tile * ca.Vpad + blockIdx.x * VT * C, 2 * C * VT, bar);
-      wg::bulk_copy(dst + POFF, static_cast<const Op*>(ca.P) + tile * C, 2 * C * C, bar);
+      if (!TR) wg::bulk_copy(dst + POFF, static_cast<const Op*>(ca.P) + tile * C, 2 * C * C, bar);
       if (diag) {
         wg::bulk_copy(dst + GOFF, ca.egC + hc * KP, 4 * KP, bar);
       } else {
         wg::bulk_copy(dst + GOFF, ca.gam + tile, 4 * C, bar);
         if (ca.rn) wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bar);
       }
-      if (!ca.raw_q) wg::bulk_copy(dst + QOFF, static_cast<const Op*>(ca.Qn) + tile * KP, kWgPacked, bar);
+      if (!ca.raw_q && !TR) wg::bulk_copy(dst + QOFF, static_cast<const Op*>(ca.Qn) + tile * KP, kWgPacked, bar);
       if (!ca.raw_kw) wg::bulk_copy(dst + KWOFF, static_cast<const Op*>(ca.KWn) + tile * KP, kWgPacked, bar);
     }
   };
-  if (count > 0) issue(0, 0);
+  if (cend > c0) issue(c0, 0);
   // The B operands' descriptors: Q and KW packed, or raw rows copied by the threads into padded column groups.
   const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = ca.raw_kw && !ca.tma_rows;
   const uint32_t q_cg = q_pad ? CGP : CGB, q_rg = q_pad ? RGK : 128;
@@ -1632,17 +1647,24 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   const uint32_t k_cg = ca.raw_kw ? kw_cg : CGB, k_rg = ca.raw_kw ? kw_rg : 128;
 
   // S^T: value column acc_row(m0, e) of the warpgroup (row) and key acc_col(8 i, e) (column) in ST[4 i + e].
+  // (Split: from I or 0 in pass 1, from the segment's start state in pass 2; S^T's columns past K stay zero.)
   float ST[64];
+  const float* s0 = split ? ca.Sseg + ((int64_t(n) * a.HV + hv) * segs + seg) * KP * KP : nullptr;
 #pragma unroll
   for (int j = 0; j < 64; ++j) {
     const int c = v0 + acc_row(m0, j % 4), k = acc_col(8 * (j / 4), j % 4);
-    ST[j] = (a.h0 && k < a.K && c < a.V) ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + k * a.sh0[2] + c] : 0.f;
+    if (TR)
+      ST[j] = part == 0 && c == k && k < a.K ? 1.f : 0.f;
+    else if (split)
+      ST[j] = s0[c * KP + k];
+    else
+      ST[j] = (a.h0 && k < a.K && c < a.V) ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + k * a.sh0[2] + c] : 0.f;
   }
   Tin* o = static_cast<Tin*>(a.o);
   int bi = 0;
-  for (int64_t ci = 0; ci < count; ++ci) {
+  for (int64_t ci = c0; ci < cend; ++ci) {
     const int L = static_cast<int>(imin64(C, len - ci * C));
-    if (ci + 1 < count) {
+    if (ci + 1 < cend) {
       sync_compute<NT>();  // every warp is done with chunk ci - 1's buffer
       issue(ci + 1, bi ^ 1);
       cp_wait<1>();
@@ -1653,8 +1675,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     // chunk, where no copy was issued above: every warp is done with the previous chunk's s_eo, s_es.)
     const bool by_threads = rows_by_threads(L);
     if (by_threads) wg::proxy_fence();
-    if (by_threads || ci + 1 == count) sync_compute<NT>();
-    wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>(ci >> 1) & 1);  // and its bulk copies
+    if (by_threads || ci + 1 == cend) sync_compute<NT>();
+    wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);  // and its bulk copies
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
     const uint32_t K_a = ca.raw_kw ? KW_a : W_a, TM_a = W_a + TMOFF;  // raw_v: Z's k rows, Tm
@@ -1677,7 +1699,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
         wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(r_a + kk * 2 * r_cg, r_cg, r_rg), true);
-        wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
+        if constexpr (!TR) wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
       }
       wg::commit();
       // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
@@ -1704,7 +1726,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
           for (int x = 0; x < 4; ++x) {
             const int j = 8 * kk + 2 * x, c = 64 * g + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
             const Op* vp = reinterpret_cast<const Op*>(sV + (c >> 3) * CGB + t * 16 + (c & 7) * 2);
-            ya[kk][x] = pack2<Op>(to_float(vp[0]) - rt[j] * s_ez[t], to_float(vp[8]) - rt[j + 1] * s_ez[t + 1]);
+            const float x0 = need_v ? to_float(vp[0]) : 0.f, x1 = need_v ? to_float(vp[8]) : 0.f;
+            ya[kk][x] = pack2<Op>(x0 - rt[j] * s_ez[t], x1 - rt[j + 1] * s_ez[t + 1]);
           }
         wg::fence();
 #pragma unroll
@@ -1736,23 +1759,29 @@ __global__ void __launch_bounds__(WGS * 128, 1)
 #pragma unroll
     for (int j = 0; j < 64; ++j) ST[j] *= diag ? sG[acc_col(8 * (j / 4), j % 4)] : gC;
     wg::fence();
+    if constexpr (!TR)
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(ot, rb[kk], wg::desc(P_a + kk * 2 * CGB, CGB, 128), true);
+      for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(ot, rb[kk], wg::desc(P_a + kk * 2 * CGB, CGB, 128), true);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 128, 1>(ST, ra[kk], wg::desc(KW_a + kk * 2 * kw_rg, kw_rg, kw_cg), true);
     wg::commit();
     wg::wait<0>();
 #pragma unroll
     for (int j = 0; j < 64; ++j) wg::pin(ST[j]);
+    if constexpr (!TR)
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      wg::pin(ot[j]);
-      const int c = v0 + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-      if (t < L && c < a.V) o[b * a.so[0] + (bos + ci * C + t) * a.so[1] + hv * a.so[2] + c] = from_float<Tin>(ot[j]);
-    }
+      for (int j = 0; j < 32; ++j) {
+        wg::pin(ot[j]);
+        const int c = v0 + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
+        if (t < L && c < a.V) o[b * a.so[0] + (bos + ci * C + t) * a.so[1] + hv * a.so[2] + c] = from_float<Tin>(ot[j]);
+      }
     bi ^= 1;
   }
-  if (a.hT)
+  if (TR) {  // S^T at the segment's end: A^T (part 0) or B^T (part 1)
+    float* d = ca.Tseg + (((int64_t(n) * a.HV + hv) * segs + seg) * 2 + part) * KP * KP;
+#pragma unroll
+    for (int j = 0; j < 64; ++j) d[(v0 + acc_row(m0, j % 4)) * KP + acc_col(8 * (j / 4), j % 4)] = ST[j];
+  } else if (a.hT && (!split || seg == segs - 1))
 #pragma unroll
     for (int j = 0; j < 64; ++j) {
       const int c = v0 + acc_row(m0, j % 4), k = acc_col(8 * (j / 4), j % 4);
@@ -1810,16 +1839,81 @@ bool state_wg_runs() {
   return runs;
 }
 
-/// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs).
-template <class Tin, class Op, int WGS>
+/// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs); with ChunkArgs::split,
+/// a block per segment (TR: pass 1, two per segment but the last).
+template <class Tin, class Op, int WGS, bool TR = false>
 cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                             cudaStream_t stream) {
   constexpr size_t bytes = wg_smem_bytes(64 * WGS);
-  auto* kernel = state_wg_kernel<Tin, Op, WGS>;
+  auto* kernel = state_wg_kernel<Tin, Op, WGS, TR>;
   static const cudaError_t set = allow_smem(kernel, bytes);
   if (set != cudaSuccess) return set;
-  kernel<<<dim3(ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N), WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
+  const unsigned segs = ca.split > 1 ? ca.split - TR : 1;
+  const dim3 grid(TR ? 2 : ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N * segs);
+  kernel<<<grid, WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
   return cudaGetLastError();
+}
+
+/// The split state pass's scan (ChunkArgs::split): the state entering each segment of each (sequence,
+/// value head), S_0 = h0 and S_{j+1} = A_j S_j + B_j with pass 1's A_j^T and B_j^T (Tseg), into Sseg
+/// (transposed, like the warpgroup pass's accumulators). Float32 on the CUDA cores; a block per (sequence,
+/// value head) and kScanCols value columns, two threads per key (8 columns each). A_{j+1}^T is copied into
+/// shared memory (cp.async, two buffers of 64 KB) while step j computes: one memory round trip per step.
+constexpr int kScanCols = 16;
+constexpr size_t kScanSmem = sizeof(float) * (2 * KP * KP + KP * kScanCols);
+__global__ void __launch_bounds__(2 * KP) split_scan_kernel(const ChunkArgs ca) {
+  constexpr int CW = kScanCols / 2;
+  const RecArgs& a = ca.a;
+  const int nh = blockIdx.x, n = nh / a.HV, hv = nh % a.HV, k = threadIdx.x % KP;
+  const int c0 = blockIdx.y * kScanCols + CW * (threadIdx.x / KP), cl = c0 % kScanCols;
+  extern __shared__ __align__(16) float scan_smem[];
+  float* sA = scan_smem;                     // two buffers of A_j^T [KP][KP]
+  float* sS = scan_smem + 2 * KP * KP;       // S_j [KP][kScanCols]
+  const float* T0 = ca.Tseg + int64_t(nh) * (ca.split - 1) * 2 * KP * KP;  // A_j^T at T0 + 2 j KP KP, then B_j^T
+  auto load = [&](int j) {
+    const float* src = T0 + int64_t(j) * 2 * KP * KP;
+    float* dst = sA + (j & 1) * KP * KP;
+    for (int e = threadIdx.x; e < KP * KP / 4; e += 2 * KP) cp_async16(dst + 4 * e, src + 4 * e);
+    cp_commit();
+  };
+  load(0);  // (split > 1)
+  float s[CW];
+#pragma unroll
+  for (int c = 0; c < CW; ++c)
+    s[c] = a.h0 && k < a.K && c0 + c < a.V ? a.h0[int64_t(n) * a.sh0[0] + hv * a.sh0[1] + k * a.sh0[2] + c0 + c] : 0.f;
+  for (int j = 0;; ++j) {
+    float* d = ca.Sseg + (int64_t(nh) * ca.split + j) * KP * KP + int64_t(c0) * KP + k;
+#pragma unroll
+    for (int c = 0; c < CW; ++c) d[c * KP] = s[c];
+    if (j + 1 == ca.split) break;
+    __syncthreads();  // every thread is done with S_{j-1} and A_{j-1}'s buffer
+#pragma unroll
+    for (int c = 0; c < CW; ++c) sS[k * kScanCols + cl + c] = s[c];
+    const float* Bt = T0 + (int64_t(j) * 2 + 1) * KP * KP + int64_t(c0) * KP + k;
+#pragma unroll
+    for (int c = 0; c < CW; ++c) s[c] = Bt[c * KP];
+    if (j + 2 < ca.split) {
+      load(j + 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();  // A_j and S_j in shared memory
+    const float* At = sA + (j & 1) * KP * KP + k;  // At[k' KP] = A_j[k][k']
+#pragma unroll 4
+    for (int kk = 0; kk < KP; ++kk) {
+      const float x = At[kk * KP];
+      const float4* row = reinterpret_cast<const float4*>(sS + kk * kScanCols + cl);
+#pragma unroll
+      for (int c = 0; c < CW / 4; ++c) {
+        const float4 y = row[c];
+        s[4 * c] = fmaf(x, y.x, s[4 * c]);
+        s[4 * c + 1] = fmaf(x, y.y, s[4 * c + 1]);
+        s[4 * c + 2] = fmaf(x, y.z, s[4 * c + 2]);
+        s[4 * c + 3] = fmaf(x, y.w, s[4 * c + 3]);
+      }
+    }
+  }
 }
 
 /// The driver's cuTensorMapEncodeTiled, found once through the runtime (nothing links against the
@@ -1897,13 +1991,31 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
                  (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
                  (!(ca.raw_kw || (ca.raw_v && ca.raw_q)) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
                  (!ca.raw_v || raw_rows_map(&tv, a.v, a.sv, a.T, a.HV, n_map, f16));
-    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm)
-    static const char* const names[8] = {
-        "cuda/chunkwise/wgmma/v128",     "cuda/chunkwise/wgmma/v128/rv",         "cuda/chunkwise/wgmma/v128/tma",
-        "cuda/chunkwise/wgmma/v128/tma/rv", "cuda/chunkwise/wgmma/v128/raw",     "cuda/chunkwise/wgmma/v128/raw/rv",
-        "cuda/chunkwise/wgmma/v128/raw/tma", "cuda/chunkwise/wgmma/v128/raw/tma/rv"};
+    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm) + "/split"
+    static const std::array<std::string, 16> names = [] {
+      std::array<std::string, 16> r;
+      for (int i = 0; i < 16; ++i)
+        r[i] = std::string("cuda/chunkwise/wgmma/v128") + (i & 4 ? "/raw" : "") + (i & 2 ? "/tma" : "") +
+               (i & 1 ? "/rv" : "") + (i & 8 ? "/split" : "");
+      return r;
+    }();
+    const bool split = ca.split > 1;
     *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
-                              : names[4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows + ca.raw_v];
+                              : names[8 * split + 4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows + ca.raw_v].c_str();
+    if constexpr (!std::is_same_v<Tin, float>) {  // (raw v rows: 16-bit inputs only)
+      if (split) {  // pass 1, the scan, pass 2
+        if (ca.state_vt != 128 || !ca.raw_v) return cudaErrorInvalidValue;
+        const cudaError_t e1 = launch_state_wg<Tin, Op, 2, true>(c, tq, tk, tv, stream);
+        if (e1 != cudaSuccess) return e1;
+        static const cudaError_t scan_set = allow_smem(split_scan_kernel, kScanSmem);
+        if (scan_set != cudaSuccess) return scan_set;
+        split_scan_kernel<<<dim3(a.N * a.HV, KP / kScanCols), 2 * KP, kScanSmem, stream>>>(c);
+        const cudaError_t e2 = cudaGetLastError();
+        if (e2 != cudaSuccess) return e2;
+      }
+    } else if (split) {
+      return cudaErrorInvalidValue;
+    }
     return ca.state_vt == 128 ? launch_state_wg<Tin, Op, 2>(c, tq, tk, tv, stream)
                               : launch_state_wg<Tin, Op, 1>(c, tq, tk, tv, stream);
   }

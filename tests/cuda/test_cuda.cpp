@@ -300,6 +300,47 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       }
     }
     unsetenv("DGPS_CUDA_WGMMA");
+    // The split state pass (ChunkArgs::split: a few long sequences, Hopper's warpgroup pass with raw v
+    // rows): forced segments of 3 chunks (the last segment and chunk partial) for each kind of k rows
+    // (raw with raw q: GDN, DN; raw with the intra kernel's write key: PGDN, PDN; K ⊙ e^gamma: KDA,
+    // PKDA, K = 64), two sequences, GVA, h0 in and hT out, the raw rows by cp.async once; then the
+    // automatic choice on one long sequence (96 chunks: 6 segments of 16), and DGPS_CUDA_SPLIT=0 there.
+    struct SplitCase {
+      const char* model;
+      dgps::Shape shape;
+      const char* split;
+      bool tma;
+    };
+    const SplitCase splits[] = {
+        {"gdn", {.batch = 2, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "3", true},
+        {"pgdn", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "3", true},
+        {"kda", {.batch = 2, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "3", true},
+        {"pkda", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "3", true},
+        {"dn", {.batch = 1, .time = 900, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "2", true},
+        {"pdn", {.batch = 1, .time = 900, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "4", true},
+        {"gdn", {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 128}, "3", true},
+        {"pgdn", {.batch = 2, .time = 800, .heads = 1, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "3", false},
+        {"pgdn", {.batch = 1, .time = 6144, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "", true},
+        {"gdn", {.batch = 1, .time = 6144, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "0", true},
+    };
+    for (const SplitCase& w : splits) {
+      if (w.split[0]) setenv("DGPS_CUDA_SPLIT", w.split, 1);
+      setenv("DGPS_CUDA_TMA", w.tma ? "1" : "0", 1);
+      Case c = make_random(w.model, w.shape, {}, seed++);
+      const std::string name = std::string("chunk/split") + (w.split[0] ? w.split : "auto") + "/" + w.model + "/B" +
+                               std::to_string(w.shape.batch) + "T" + std::to_string(w.shape.time) + "K" +
+                               std::to_string(w.shape.key_dim) + (w.tma ? "" : "/cp");
+      for (DType d : {DType::bf16, DType::f16}) {
+        const std::string impl = compare(name, c, d, DType::f32, ws, nullptr);
+        const bool want = hopper && std::string(w.split) != "0";
+        report_check((impl.size() > 6 && impl.compare(impl.size() - 6, 6, "/split") == 0) == want,
+                     name + ": variant " + impl);
+        if (quick) break;
+      }
+      unsetenv("DGPS_CUDA_SPLIT");
+      unsetenv("DGPS_CUDA_TMA");
+      if (quick) break;
+    }
   }
   // A diagonal preconditioner with many (sequence, key head) pairs, 16-bit inputs and K = 128 (the
   // state pass's 8-warp variant): packed sequences with an empty one, a one-token one and whole
