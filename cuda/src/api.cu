@@ -266,6 +266,7 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
   choose_rows();
   if (c.split > 1 && !c.raw_v) {
     c.split = 0;
+    c.seg_chunks = 0;
     c.state_vt = narrow;
     choose_rows();
   }

@@ -246,7 +246,7 @@ int state_value_tile(const RecArgs& a, int Vpad);
 /// and raw v rows: 0 (no split) unless the sequences have equal lengths, few (sequence, value head)
 /// pairs leave most SMs idle (at most a sixth of them busy) and the sequences are long (16 chunks per
 /// segment at least). DGPS_CUDA_SPLIT=0 turns it off; DGPS_CUDA_SPLIT=n (n > 0) forces segments of n
-/// chunks wherever the split applies at all (a testing knob). Sets c.seg_chunks.
+/// chunks wherever the split applies at all (a testing knob). Sets c.seg_chunks (the caller sets c.split).
 int split_segments(ChunkArgs& c);
 
 /// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, every decay,

@@ -42,7 +42,8 @@ int split_segments(ChunkArgs& c) {
     per = (count + segs - 1) / segs;
   }
   const int64_t segs = (count + per - 1) / per;  // every segment non-empty
-  if (segs < 2 || segs > 4096) return 0;
+  // (pass 2's grid has N x segments blocks in z, at most 65535; only a forced segment length gets near)
+  if (segs < 2 || segs * a.N > 65535) return 0;
   c.seg_chunks = per;
   return static_cast<int>(segs);
 }
