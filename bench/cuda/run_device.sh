@@ -3,8 +3,13 @@
 #
 # Runs on the H200 from the repository root with the binaries carried in .device/ (built here with
 # build-cuda and copied there) and FLA's `fla` package in .fetch/fla-src (never part of dgps).
-# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all] [FLA filter, e.g. gdn,pgdn,decode,bwd]
+# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all|ab] [FLA filter, e.g. gdn,pgdn,decode,bwd]
 # (default: all, every FLA case); DGPS_ONLY=pgdn limits dgps's forward cases the same way.
+# `ab` compares a change with a baseline side by side: .device/dgps_bench_cuda against
+# .device/dgps_bench_cuda_base (a build of the tree's head: a binary built from other code can differ
+# by a few percent from code generation alone), AB_ROUNDS (default 2) rounds alternating the two, then
+# the kernels' durations under ncu (real clocks) for the models in AB_PROFILE (default pgdn).
+# Binaries may travel xz-compressed (.device/NAME.xz: three of them exceed the 64 MiB a call carries).
 # Results go to $OUT (or ./.device/out): test log, bench CSVs and the joined markdown table.
 set -u
 what=${1:-all}
@@ -13,6 +18,9 @@ out=${OUT:-.device/out}
 mkdir -p "$out"
 export DGPS_TEST_DATA_DIR=$PWD/tests/data
 export LD_LIBRARY_PATH=.device${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+for z in .device/*.xz; do
+  [[ -f $z && ! -f ${z%.xz} ]] && xz -dk "$z" && chmod +x "${z%.xz}"
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader || true
 if [[ $what == all || $what == tests ]]; then
   .device/dgps_cuda_tests 2>&1 | tee "$out/tests.log" | grep -v '^ok ' || true
@@ -36,6 +44,36 @@ if [[ $what == all || $what == sanitize ]]; then
     echo "compute-sanitizer $tool rc=$? ($(grep -c '^ok ' "$out/sanitize_$tool.log") checks ok)"
     grep -E "ERROR SUMMARY|FAIL|Invalid|Race" "$out/sanitize_$tool.log" | head -5
   done
+fi
+if [[ $what == ab ]]; then
+  for ((r = 1; r <= ${AB_ROUNDS:-2}; ++r)); do
+    for v in new base; do
+      bin=.device/dgps_bench_cuda; [[ $v == base ]] && bin=.device/dgps_bench_cuda_base
+      $bin "$out/ab_${r}_$v.csv" "${DGPS_ONLY:-}" > /dev/null
+    done
+  done
+  # model, case, then each round's ms for the change and the baseline, and the ratio of their medians
+  # (the CSV files' columns: impl,model,case,B,T,HV,ms,...)
+  awk -F, 'FNR == 1 {b = FILENAME; sub(/.*\//, "", b); split(b, f, "_"); v = f[3]; sub(/\.csv$/, "", v); next}
+           $1 !~ /recurrent/ {k = $2 " " $3; if (!(k in seen)) {seen[k] = 1; order[++n] = k}
+                              ms[k, v] = ms[k, v] " " $7; c[k, v]++; s[k, v, c[k, v]] = $7}
+           function med(k, v,   i, j, a, m, t) {m = c[k, v]; for (i = 1; i <= m; ++i) a[i] = s[k, v, i]
+             for (i = 1; i <= m; ++i) for (j = i + 1; j <= m; ++j) if (a[j] < a[i]) {t = a[i]; a[i] = a[j]; a[j] = t}
+             return m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2}
+           END {print "| model case | new ms | base ms | new / base |"; print "|---|---|---|---|"
+                for (i = 1; i <= n; ++i) {k = order[i]
+                  printf "| %s |%s |%s | %.3f |\n", k, ms[k, "new"], ms[k, "base"], med(k, "new") / med(k, "base")}}' \
+    "$out"/ab_*_new.csv "$out"/ab_*_base.csv | tee "$out/ab.md"
+  if command -v ncu > /dev/null; then
+    for m in ${AB_PROFILE:-pgdn}; do
+      for bin in .device/dgps_bench_cuda .device/dgps_bench_cuda_base; do
+        echo "== $m ${bin#.device/} (ncu)"
+        ncu --clock-control none --metrics gpu__time_duration.sum "$bin" --profile "$m" 2>&1 |
+          awk '/^  [a-z_].*\(/ {n = $0; sub(/\(.*/, "", n); sub(/.*::/, "", n); sub(/<.*/, "", n)}
+               /gpu__time_duration/ && n !~ /fill/ {printf "%s %s %s | ", n, $NF, $(NF - 1)} END {print ""}'
+      done
+    done
+  fi
 fi
 if [[ -f $out/dgps_bench.csv ]]; then
   python3 bench/cuda/combine.py "$out/dgps_bench.csv" "$out/fla_bench.csv" | tee "$out/table.md"
