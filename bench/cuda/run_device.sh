@@ -3,12 +3,15 @@
 #
 # Runs on the H200 from the repository root with the binaries carried in .device/ (built here with
 # build-cuda and copied there) and FLA's `fla` package in .fetch/fla-src (never part of dgps).
-# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all|ab] [FLA filter, e.g. gdn,pgdn,decode,bwd]
+# Usage: bench/cuda/run_device.sh [tests|sanitize|bench|fla|all|ab|profile] [FLA filter, e.g. gdn,pgdn,decode,bwd]
 # (default: all, every FLA case); DGPS_ONLY=pgdn limits dgps's forward cases the same way.
 # `ab` compares a change with a baseline side by side: .device/dgps_bench_cuda against
 # .device/dgps_bench_cuda_base (a build of the tree's head: a binary built from other code can differ
 # by a few percent from code generation alone), AB_ROUNDS (default 2) rounds alternating the two, then
 # the kernels' durations under ncu (real clocks) for the models in AB_PROFILE (default pgdn).
+# `profile` runs ncu's full set on one kernel (PROFILE_KERNEL, default intra_kernel: its first launch,
+# at B=8 T=2048 H=16) of each model in PROFILE_MODELS (default gdn pgdn pkda) and keeps the details
+# page, the per-SASS-line source counters (gzipped CSV) and their summary by bench/cuda/ncu_phases.py.
 # Binaries may travel xz-compressed (.device/NAME.xz: three of them exceed the 64 MiB a call carries).
 # Results go to $OUT (or ./.device/out): test log, bench CSVs and the joined markdown table.
 set -u
@@ -74,6 +77,19 @@ if [[ $what == ab ]]; then
       done
     done
   fi
+fi
+if [[ $what == profile ]]; then
+  for m in ${PROFILE_MODELS:-gdn pgdn pkda}; do
+    echo "== profile $m"
+    timeout 200 ncu --set full --import-source no -k "regex:${PROFILE_KERNEL:-intra_kernel}" --launch-count 1 \
+      -o "$out/$m" .device/dgps_bench_cuda --profile "$m" > /dev/null 2>&1
+    ncu --import "$out/$m.ncu-rep" --page details > "$out/$m.details.txt" 2>&1
+    ncu --import "$out/$m.ncu-rep" --page source --csv --print-source sass > "$out/$m.source.csv" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued" "$out/$m.details.txt"
+    python3 bench/cuda/ncu_phases.py "$out/$m.source.csv" | tee "$out/$m.phases.md"
+    gzip -f "$out/$m.source.csv"
+    rm -f "$out/$m.ncu-rep"
+  done
 fi
 if [[ -f $out/dgps_bench.csv ]]; then
   python3 bench/cuda/combine.py "$out/dgps_bench.csv" "$out/fla_bench.csv" | tee "$out/table.md"
