@@ -75,6 +75,13 @@ constexpr size_t intra_smem_bytes(bool atk, bool diag = false) {
                : sizeof(uint16_t) * (2 * C * LDK + C * LDC) + kSolveBytes;
 }
 static_assert(sizeof(uint16_t) * C * LDK >= sizeof(uint16_t) * 4 * 16 * 24, "the q tile holds the solve's scratch");
+/// Bytes of the intra-chunk kernel's shared memory with Diagonal decay and raw v rows (its lean layout,
+/// three blocks per SM): three key tiles, Akk's diagonal blocks, Akk, and gamma at each 16-row block's
+/// first and last rows ([8][KP] floats); Tinv and the solve's scratch take the q tile once it is out.
+constexpr size_t intra_lean_smem_bytes() {
+  return sizeof(uint16_t) * (3 * C * LDK + C * LDC) + sizeof(float) * (4 * 16 * 17 + 8 * KP);
+}
+static_assert(C * LDK >= C * LDC + 4 * 16 * 24, "the q tile holds Tinv and the solve's scratch");
 static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8) + 4 * 16 * 24),
               "the gamma tile holds the v tile and the solve's scratch");
 /// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,

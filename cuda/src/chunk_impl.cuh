@@ -507,6 +507,24 @@ __device__ __forceinline__ void times_beta_cols(Op* rows, const float* s_beta) {
 template <class Op>
 constexpr float kDiagSpread = std::is_same_v<Op, __half> ? 9.f : 60.f;
 
+/// The lean Diagonal-decay layout (intra_kernel with raw_v): the chunk's per-channel gamma kept only at
+/// each 16-row block's first and last rows (`Gb` [8][KP]: rows 16a, 16a + 15 as rows 2a, 2a + 1); the
+/// rows between are summed again from the chunk's gates, in the scan's order (so bit for bit the same).
+struct GateRows {
+  const void* g = nullptr;  ///< the gate of the chunk's first token, channel 0, this value head
+  int64_t rs = 0;           ///< token stride of the gates
+  int dtype = 0, L = 0, K = 0;
+  /// Gate of row r (in the chunk), channel c; 0 past L rows and past K channels (as in the scan).
+  __device__ __forceinline__ float at(int r, int c) const {
+    return r < L && c < K ? load_gate(g, r * rs + c, dtype) : 0.f;
+  }
+};
+
+/// Row r's per-channel gamma: G's row, or in the lean layout (Gb non-null) its copy there, r % 16 in {0, 15}.
+__device__ __forceinline__ const float* gamma_row(const float* G, const float* Gb, int r) {
+  return Gb ? Gb + (r / 16 * 2 + (r % 16 != 0)) * KP : G + r * LDG;
+}
+
 /// Diagonal decay (SPEC §4), warp w owns the 16-row block a = w (rows m0 = 16w ..): rows m0 .. m0 + 15
 /// of Akk = Diag(beta) Bm (Bm Diag(beta) in backward mode) and of P, with e^(gamma_i - gamma_j) per
 /// channel formed from differences in the exponent so that strong decays stay finite:
@@ -519,33 +537,54 @@ constexpr float kDiagSpread = std::is_same_v<Op, __half> ? 9.f : 60.f;
 /// (lanes: 4 row groups x 8 channel groups of 16 channels). Writes P's rows to `sPst` (staging,
 /// [C][LDC]), Akk's diagonal block to sAd and the blocks left of it to sAh, zeros above the diagonal.
 /// Leaves the block's K, Q rows scaled as above (the caller rescales them by e^gamma_16a). Contains a
-/// __syncthreads: every thread of the block calls it.
+/// __syncthreads: every thread of the block calls it. Lean layout (`Gb` non-null, see GateRows): gamma's
+/// rows between the blocks' first and last come from `gr`, and P goes straight from the accumulators to
+/// the workspace tile `Pg` (blocked layout) instead of `sPst`.
 template <class Op>
 __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, Op* sKWh, const float* G,
                                                  const float* s_beta, bool online, bool bwd, int m0, Op* sPst,
-                                                 float* sAd, __half* sAh) {
+                                                 float* sAd, __half* sAh, const float* Gb, const GateRows& gr,
+                                                 Op* Pg) {
   const int lane = threadIdx.x & 31, w = m0 / 16;
-  const float* gA = G + m0 * LDG;  // gamma_16a
+  const bool lean = Gb != nullptr;
+  auto p_at = [&](int i, int j) { return lean ? Pg + blocked_at(i, j & ~7) + (j & 7) : sPst + i * LDC + j; };
+  const float* gA = gamma_row(G, Gb, m0);  // gamma_16a
+  const float* gZ = gamma_row(G, Gb, m0 + 15);  // gamma_16a+15
   float spread = 0.f;
 #pragma unroll
-  for (int u = 0; u < 4; ++u) spread = fmaxf(spread, gA[4 * lane + u] - G[(m0 + 15) * LDG + 4 * lane + u]);
+  for (int u = 0; u < 4; ++u) spread = fmaxf(spread, gA[4 * lane + u] - gZ[4 * lane + u]);
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) spread = fmaxf(spread, __shfl_xor_sync(0xffffffffu, spread, d));
   const bool fast = spread <= kDiagSpread<Op>;
   if (!fast) {  // the diagonal block elementwise: lane = (row group rg, channel group cg); rows rg, rg + 4, ...
     const int rg = lane >> 3, cg = lane & 7, c0 = cg * 8;
     const unsigned mask = 0xffu << (8 * rg);
+    // Lean layout: gamma of row m0 + n from row m0's by adding the gates of rows m0 + 1 .. m0 + n.
+    auto add_rows = [&](float* x, int from, int to) {
+      for (int t = from; t <= to; ++t)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) x[c] += gr.at(t, c0 + c % 8 + (c / 8) * 64);
+    };
     for (int ii = rg; ii < 16; ii += 4) {
       const int i = m0 + ii;
-      float qi[16], ki[16], gi[16];
+      float qi[16], ki[16], gi[16], gj[16];
       load16(qi, sQ + i * LDK, c0);
       load16(ki, sK + i * LDK, c0);
-      load16(gi, G + i * LDG, c0);
+      if (lean) {
+        load16(gi, gA, c0);
+        add_rows(gi, m0 + 1, i);
+        load16(gj, gA, c0);
+      } else {
+        load16(gi, G + i * LDG, c0);
+      }
       for (int jj = 0; jj <= ii; ++jj) {
         const int j = m0 + jj;
-        float kw[16], gj[16];
+        float kw[16];
         load16(kw, sKW + j * LDK, c0);
-        load16(gj, G + j * LDG, c0);
+        if (!lean)
+          load16(gj, G + j * LDG, c0);
+        else if (jj > 0)
+          add_rows(gj, j, j);
         float sa = 0.f, sp = 0.f;
 #pragma unroll
         for (int c = 0; c < 16; ++c) {
@@ -558,7 +597,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
           sp += __shfl_xor_sync(mask, sp, d);
         }
         if (cg == 0) {
-          sPst[i * LDC + j] = from_float<Op>(sp);
+          *p_at(i, j) = from_float<Op>(sp);
           if (online) sAd[w * 272 + ii * 17 + jj] = jj < ii ? s_beta[bwd ? j : i] * sa : 0.f;
         }
       }
@@ -566,20 +605,49 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
     for (int e = lane; e < 256; e += 32) {  // zeros above the diagonal
       const int ii = e / 16, jj = e % 16;
       if (jj <= ii) continue;
-      sPst[(m0 + ii) * LDC + m0 + jj] = from_float<Op>(0.f);
+      *p_at(m0 + ii, m0 + jj) = from_float<Op>(0.f);
       if (online) sAd[w * 272 + ii * 17 + jj] = 0.f;
     }
     __syncwarp();
   }
   // The outer factors into this block's rows: lane l scales channels 8 (l % 16) .. + 7 of rows
-  // m0 + l / 16, + 2, ... (packed multiplies).
-  const float* gZ = G + (m0 + 15) * LDG;  // gamma_16a+15
+  // m0 + l / 16, + 2, ... (packed multiplies). Lean layout: lane l scales channels 4 l .. + 3 of every
+  // row of the block in order, summing gamma from row m0's as it goes.
+  if (lean) {
+    const int c4 = 4 * lane;
+    float ga[4], gz[4], g[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ga[j] = gA[c4 + j], gz[j] = gZ[c4 + j], g[j] = ga[j];
+#pragma unroll 4
+    for (int r = m0; r < m0 + 16; ++r) {
+      if (r > m0)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[j] += gr.at(r, c4 + j);
+      uint2 xk = *reinterpret_cast<const uint2*>(sK + r * LDK + c4);
+      uint2 xq = *reinterpret_cast<const uint2*>(sQ + r * LDK + c4);
+      uint2 xw = *reinterpret_cast<const uint2*>(sKW + r * LDK + c4);
+      uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
+      uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
+      uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        const uint32_t fa = pack2<Op>(__expf(g[j] - ga[j]), __expf(g[j + 1] - ga[j + 1]));
+        const uint32_t fz = pack2<Op>(__expf(gz[j] - g[j]), __expf(gz[j + 1] - g[j + 1]));
+        pk[j / 2] = mul2<Op>(pk[j / 2], fa);
+        pq[j / 2] = mul2<Op>(pq[j / 2], fa);
+        pw[j / 2] = mul2<Op>(pw[j / 2], fz);
+      }
+      *reinterpret_cast<uint2*>(sK + r * LDK + c4) = xk;
+      *reinterpret_cast<uint2*>(sQ + r * LDK + c4) = xq;
+      *reinterpret_cast<uint2*>(sKWh + r * LDK + c4) = xw;
+    }
+  }
   const int c8 = (lane % 16) * 8;
   float ga[8], gz[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) ga[j] = gA[c8 + j], gz[j] = gZ[c8 + j];
 #pragma unroll 2
-  for (int r = m0 + lane / 16; r < m0 + 16; r += 2) {
+  for (int r = m0 + lane / 16; r < (lean ? m0 : m0 + 16); r += 2) {
     uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
     uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
     uint4 xw = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
@@ -615,7 +683,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       if (b >= nb) break;
-      const float* gB = G + (16 * b + 15) * LDG;  // gamma_16b+15
+      const float* gB = gamma_row(G, Gb, 16 * b + 15);  // gamma_16b+15
       const uint32_t f0 = pack2<Op>(__expf(gA[c0] - gB[c0]), __expf(gA[c0 + 1] - gB[c0 + 1]));
       const uint32_t f1 = pack2<Op>(__expf(gA[c0 + 8] - gB[c0 + 8]), __expf(gA[c0 + 9] - gB[c0 + 9]));
       // A fragment registers 0, 1 hold columns c0, c0 + 1; registers 2, 3 columns c0 + 8, c0 + 9.
@@ -641,11 +709,11 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
     for (int e = 0; e < 4; e += 2) {
       const int i = acc_row(m0, e), j = acc_col(nt * 8, e);
       if (bj > w) {
-        store2(sPst + i * LDC + j, 0.f, 0.f);
+        store2(p_at(i, j), 0.f, 0.f);
         continue;
       }
       const bool dblock = bj == w;
-      store2(sPst + i * LDC + j, !dblock || j <= i ? accP[nt][e] : 0.f, !dblock || j + 1 <= i ? accP[nt][e + 1] : 0.f);
+      store2(p_at(i, j), !dblock || j <= i ? accP[nt][e] : 0.f, !dblock || j + 1 <= i ? accP[nt][e + 1] : 0.f);
       if (!online) continue;
       float x0 = s_beta[bwd ? j : i] * accA[nt][e], x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1];
       if (dblock) {
@@ -680,13 +748,18 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // keeps three blocks per SM): the solve region without its scratch; the tiles go out before the
   // solve, so the scratch lives in the q tile and the v tile in kw's; P is staged in Tinv's place and
   // Tm is formed in place of Tinv.
-  const bool atk_nd = atk && !diag;
+  // Diagonal decay with raw v rows (`lean`, intra_lean_smem_bytes(): three blocks per SM): gamma only at
+  // each 16-row block's first and last rows ([8][KP] after Akk; GateRows), P straight to the workspace,
+  // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile.
+  const bool atk_nd = atk && !diag, lean = diag && ca.raw_v;
   Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
   float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
   __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
-  __half* sTh = sAh + C * LDC;                                 // [C][LDC] Tinv (lower block triangle)
-  float* sG = reinterpret_cast<float*>(sTh + C * LDC);         // [C][LDG] per-channel gamma (Diagonal decay)
-  __half* sXh = diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
+  float* sGb = lean ? reinterpret_cast<float*>(sAh + C * LDC) : nullptr;  // [8][KP] lean: gamma's block rows
+  __half* sTh = lean ? reinterpret_cast<__half*>(sQ) : sAh + C * LDC;      // [C][LDC] Tinv (lower block triangle)
+  float* sG = lean ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);   // [C][LDG] per-channel gamma (Diagonal decay)
+  __half* sXh = lean ? sTh + C * LDC
+                : diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
   Op* sV = diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
   Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                            // P's staging
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
@@ -751,7 +824,14 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
 #pragma unroll
         for (int u = 0; u < 32; ++u) gv[u] = r0 + u < rows ? to_float(gp[(r0 + u) * a.sg[1]]) : 0.f;
 #pragma unroll
-        for (int u = 0; u < 32; ++u) sG[(r0 + u) * LDG + c] = gs += gv[u];
+        for (int u = 0; u < 32; ++u) {
+          gs += gv[u];
+          const int r = r0 + u;
+          if (!lean)
+            sG[r * LDG + c] = gs;
+          else if (r % 16 == 0 || r % 16 == 15)
+            sGb[(r / 16 * 2 + (r % 16 != 0)) * KP + c] = gs;
+        }
       }
     };
     if (a.gate_dtype == 1)
@@ -843,8 +923,9 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         if (e < kThreads || r % 16 < 8) {  // first row of this thread in block a16 / 16: its factors
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const float g0 = sG[a16 * LDG + c8 + j];
-            fea[j] = __expf(g0), fez[j] = __expf(sG[(C - 1) * LDG + c8 + j] - sG[(a16 + 15) * LDG + c8 + j]);
+            const float g0 = gamma_row(sG, sGb, a16)[c8 + j];
+            fea[j] = __expf(g0),
+            fez[j] = __expf(gamma_row(sG, sGb, C - 1)[c8 + j] - gamma_row(sG, sGb, a16 + 15)[c8 + j]);
           }
         }
         uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
@@ -875,7 +956,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     }
     if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
     if (diag) {
-      ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(sG[(C - 1) * LDG + tid]);
+      ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(gamma_row(sG, sGb, C - 1)[tid]);
       return;
     }
     // No W: the state pass scales its own raw k rows (chunk_workspace allocates W by the same test).
@@ -909,10 +990,19 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     __syncthreads();  // diag_decay_akk_p scales the rows in place
   }
   if (diag) {
-    diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh);
-    __syncwarp();
-    if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
-    store_rows16(static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
+    GateRows gr;
+    if (lean) {
+      gr.g = static_cast<const char*>(a.g) +
+             (p.b * a.sg[0] + p.t0 * a.sg[1] + hv * a.sg[2]) * (a.gate_dtype == 0 ? 4 : 2);
+      gr.rs = a.sg[1], gr.dtype = a.gate_dtype, gr.L = L, gr.K = a.K;
+    }
+    Op* Pg = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
+    diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh, sGb, gr, Pg);
+    if (!lean) {  // (lean: P went straight to the workspace)
+      __syncwarp();
+      if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
+      store_rows16(Pg, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
+    }
   } else {
     float accA[8][4], accP[8][4];
 #pragma unroll
@@ -1975,7 +2065,8 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   if (ca.raw_v && !wg_pass) return cudaErrorInvalidValue;  // the workspace has no W and U for another pass
   ChunkArgs c = ca;
   c.blocked = wg_pass;
-  const size_t ismem = intra_smem_bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
+  const bool diag = a.decay == kDecayDiagonal;
+  const size_t ismem = diag && ca.raw_v ? intra_lean_smem_bytes() : intra_smem_bytes(a.precond == kPrecondATK, diag);
   static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
   if (set != cudaSuccess) return set;
   intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(c);
