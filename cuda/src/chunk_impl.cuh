@@ -750,7 +750,10 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // Tm is formed in place of Tinv.
   // Diagonal decay with raw v rows (`lean`, intra_lean_smem_bytes(): three blocks per SM): gamma only at
   // each 16-row block's first and last rows ([8][KP] after Akk; GateRows), P straight to the workspace,
-  // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile.
+  // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile. It has no v tile
+  // (sV null) and no P staging (sPst would alias the q tile): both are used only without raw_v, and the
+  // kernel returns after Tm with raw_v. (Not yet measured: the outer pass loads its gates one at a time
+  // with the type chosen per load; a pass per gate type, as the scan has, may be faster.)
   const bool atk_nd = atk && !diag, lean = diag && ca.raw_v;
   Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
   float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
