@@ -613,7 +613,9 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
   // The outer factors into this block's rows: lane l scales channels 8 (l % 16) .. + 7 of rows
   // m0 + l / 16, + 2, ... (packed multiplies). Lean layout: lane l scales channels 4 l .. + 3 of every
   // row of the block in order, summing gamma from row m0's as it goes.
-  if (lean) {
+  auto lean_outer = [&](auto type) {  // the gate's element type chosen once, as in the scan
+    using GT = decltype(type);
+    const GT* gp = static_cast<const GT*>(gr.g);
     const int c4 = 4 * lane;
     float ga[4], gz[4], g[4];
 #pragma unroll
@@ -622,7 +624,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
     for (int r = m0; r < m0 + 16; ++r) {
       if (r > m0)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) g[j] += gr.at(r, c4 + j);
+        for (int j = 0; j < 4; ++j) g[j] += r < gr.L && c4 + j < gr.K ? to_float(gp[r * gr.rs + c4 + j]) : 0.f;
       uint2 xk = *reinterpret_cast<const uint2*>(sK + r * LDK + c4);
       uint2 xq = *reinterpret_cast<const uint2*>(sQ + r * LDK + c4);
       uint2 xw = *reinterpret_cast<const uint2*>(sKW + r * LDK + c4);
@@ -641,6 +643,14 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
       *reinterpret_cast<uint2*>(sQ + r * LDK + c4) = xq;
       *reinterpret_cast<uint2*>(sKWh + r * LDK + c4) = xw;
     }
+  };
+  if (lean) {
+    if (gr.dtype == 1)
+      lean_outer(__nv_bfloat16{});
+    else if (gr.dtype == 2)
+      lean_outer(__half{});
+    else
+      lean_outer(float{});
   }
   const int c8 = (lane % 16) * 8;
   float ga[8], gz[8];
@@ -752,8 +762,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // each 16-row block's first and last rows ([8][KP] after Akk; GateRows), P straight to the workspace,
   // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile. It has no v tile
   // (sV null) and no P staging (sPst would alias the q tile): both are used only without raw_v, and the
-  // kernel returns after Tm with raw_v. (Not yet measured: the outer pass loads its gates one at a time
-  // with the type chosen per load; a pass per gate type, as the scan has, may be faster.)
+  // kernel returns after Tm with raw_v.
   const bool atk_nd = atk && !diag, lean = diag && ca.raw_v;
   Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
   float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
