@@ -738,13 +738,15 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 }
 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
-/// owns rows 16w .. 16w + 15 of every C-row product.
-template <class Tin, class Op>
+/// owns rows 16w .. 16w + 15 of every C-row product. LEAN: the lean Diagonal-decay layout below, its
+/// own instantiation (the launch picks it for Diagonal decay with raw v rows), so that its registers
+/// do not change the other models' code.
+template <class Tin, class Op, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
   const int LDV = ca.Vpad + 8;
   const bool has_p = a.precond != kPrecondIdentity, atk = a.precond == kPrecondATK;
-  const bool diag = a.decay == kDecayDiagonal;
+  const bool diag = LEAN || a.decay == kDecayDiagonal;  // (LEAN: Diagonal decay always)
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sQ = reinterpret_cast<Op*>(smem);  // [C][LDK] normalised, scaled q (qr for DiagonalATQ)
   Op* sK = sQ + C * LDK;                 // [C][LDK] read key k, later k ⊙ e^gamma
@@ -763,7 +765,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile. It has no v tile
   // (sV null) and no P staging (sPst would alias the q tile): both are used only without raw_v, and the
   // kernel returns after Tm with raw_v.
-  const bool atk_nd = atk && !diag, lean = diag && ca.raw_v;
+  const bool atk_nd = atk && !diag, lean = LEAN;  // (LEAN is launched for diag && ca.raw_v only)
   Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
   float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
   __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
@@ -2079,9 +2081,16 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   c.blocked = wg_pass;
   const bool diag = a.decay == kDecayDiagonal;
   const size_t ismem = diag && ca.raw_v ? intra_lean_smem_bytes() : intra_smem_bytes(a.precond == kPrecondATK, diag);
-  static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
-  if (set != cudaSuccess) return set;
-  intra_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.HV), kThreads, ismem, stream>>>(c);
+  const dim3 grid(static_cast<unsigned>(ca.chunk_bound), a.HV);
+  if (diag && ca.raw_v) {
+    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, true>, intra_lean_smem_bytes());
+    if (set != cudaSuccess) return set;
+    intra_kernel<Tin, Op, true><<<grid, kThreads, ismem, stream>>>(c);
+  } else {
+    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
+    if (set != cudaSuccess) return set;
+    intra_kernel<Tin, Op><<<grid, kThreads, ismem, stream>>>(c);
+  }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (wg_pass) {
