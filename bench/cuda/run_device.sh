@@ -65,7 +65,8 @@ if [[ $what == ab ]]; then
              return m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2}
            END {print "| model case | new ms | base ms | new / base |"; print "|---|---|---|---|"
                 for (i = 1; i <= n; ++i) {k = order[i]
-                  b = c[k, "base"] ? med(k, "base") : 0; r = b > 0 && c[k, "new"] ? sprintf("%.3f", med(k, "new") / b) : "-"
+                  b = c[k, "base"] ? med(k, "base") : 0
+                  r = b > 0 && c[k, "new"] ? sprintf("%.3f", med(k, "new") / b) : "-"
                   printf "| %s |%s |%s | %s |\n", k, ms[k, "new"], ms[k, "base"], r}}' \
     "$out"/ab_*_new.csv "$out"/ab_*_base.csv | tee "$out/ab.md"
   if command -v ncu > /dev/null; then
