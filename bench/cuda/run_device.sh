@@ -21,8 +21,10 @@ out=${OUT:-.device/out}
 mkdir -p "$out"
 export DGPS_TEST_DATA_DIR=$PWD/tests/data
 export LD_LIBRARY_PATH=.device${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# (the device keeps ignored files between calls: a binary left by an earlier call is replaced when the
+# carried .xz is newer)
 for z in .device/*.xz; do
-  [[ -f $z && ! -f ${z%.xz} ]] && xz -dk "$z" && chmod +x "${z%.xz}"
+  [[ -f $z && (! -f ${z%.xz} || $z -nt ${z%.xz}) ]] && xz -dkf "$z" && chmod +x "${z%.xz}"
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader || true
 if [[ $what == all || $what == tests ]]; then
@@ -49,6 +51,7 @@ if [[ $what == all || $what == sanitize ]]; then
   done
 fi
 if [[ $what == ab ]]; then
+  rm -f "$out"/ab_*_new.csv "$out"/ab_*_base.csv  # an earlier run's rounds would join the medians
   for ((r = 1; r <= ${AB_ROUNDS:-2}; ++r)); do
     for v in new base; do
       bin=.device/dgps_bench_cuda; [[ $v == base ]] && bin=.device/dgps_bench_cuda_base
