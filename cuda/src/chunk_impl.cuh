@@ -1799,13 +1799,17 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         for (int x = 0; x < 4; ++x) sa[kk][x] = pack2<Op>(ST[8 * kk + 2 * x], ST[8 * kk + 2 * x + 1]);
       // rt = S^T W^T (raw_v: Z^T = S^T K^T), ot = S^T Q^T
       const uint32_t r_a = rv ? K_a : W_a, r_cg = rv ? k_cg : CGB, r_rg = rv ? k_rg : 128;
+      // R's products first, in a group of their own: the chain S -> R -> S waits on them alone, and O's
+      // (off the chain) run on the tensor cores while R's factors are formed.
       wg::fence();
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(r_a + kk * 2 * r_cg, r_cg, r_rg), true);
-        if constexpr (!TR) wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
-      }
+      for (int kk = 0; kk < 8; ++kk) wg::mma<Op, 64, 0>(rt, sa[kk], wg::desc(r_a + kk * 2 * r_cg, r_cg, r_rg), true);
       wg::commit();
+      if constexpr (!TR) {
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
+        wg::commit();
+      }
       // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
       // for the update e^(gamma_C - gamma_t) (and raw k's norm), zero past L; raw_v: Z's columns
       // e^gamma_t and raw k's norm.
@@ -1817,11 +1821,11 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         s_es[wt - C] = wt - C < L ? (diag ? 1.f : __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f)) : 0.f;
       }
       asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
+      wg::wait<TR ? 0 : 1>();  // R's group (O's may still run)
+#pragma unroll
+      for (int j = 0; j < 32; ++j) wg::pin(rt[j]);
       if (rv) {
         // R^T = (V^T - Z^T Diag(e^gamma rn_k)) Tm^T: Y^T's 16-bit A fragments.
-        wg::wait<0>();
-#pragma unroll
-        for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
         const unsigned char* sV = buf + UOFF;
         uint32_t ya[4][4];
 #pragma unroll
