@@ -520,9 +520,12 @@ struct GateRows {
   }
 };
 
+/// Row of the lean layout's gamma (`Gb` [8][KP]) that holds chunk row r, r % 16 in {0, 15}.
+__device__ __forceinline__ int gamma_block_row(int r) { return r / 16 * 2 + (r % 16 != 0); }
+
 /// Row r's per-channel gamma: G's row, or in the lean layout (Gb non-null) its copy there, r % 16 in {0, 15}.
 __device__ __forceinline__ const float* gamma_row(const float* G, const float* Gb, int r) {
-  return Gb ? Gb + (r / 16 * 2 + (r % 16 != 0)) * KP : G + r * LDG;
+  return Gb ? Gb + gamma_block_row(r) * KP : G + r * LDG;
 }
 
 /// Diagonal decay (SPEC §4), warp w owns the 16-row block a = w (rows m0 = 16w ..): rows m0 .. m0 + 15
@@ -844,7 +847,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
           if (!lean)
             sG[r * LDG + c] = gs;
           else if (r % 16 == 0 || r % 16 == 15)
-            sGb[(r / 16 * 2 + (r % 16 != 0)) * KP + c] = gs;
+            sGb[gamma_block_row(r) * KP + c] = gs;
         }
       }
     };
