@@ -215,6 +215,7 @@ kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   c.vec_qk = vec_rows(p.q, p.K) && vec_rows(p.k, p.K);
   c.vec_v = vec_rows(p.v, p.V);
   c.pair_o = pair_rows(p.o, p.dtype);
+  c.vec_o = vec_rows(p.o, p.V);
   return c;
 }
 

@@ -110,11 +110,14 @@ constexpr int wg_q_off(int VT) { return wg_g_off(VT) + 768; }
 constexpr int wg_kw_off(int VT) { return wg_q_off(VT) + kWgKeyTile; }
 constexpr int wg_tm_off(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
 constexpr int wg_buffer_bytes(int VT) { return wg_tm_off(VT) + 2 * C * C; }
-/// Dynamic shared memory of the warpgroup state pass: two buffers, each warpgroup's 3 C row factors and
-/// the buffers' two mbarriers.
-constexpr size_t wg_smem_bytes(int VT) {
-  return size_t(2) * wg_buffer_bytes(VT) + sizeof(float) * 3 * C * (VT / 64) + 2 * sizeof(uint64_t);
+/// Byte offset of the warpgroup state pass's output stage (C token rows of VT 16-bit values and 16 bytes
+/// of padding), after the two buffers, each warpgroup's 3 C row factors and the buffers' two mbarriers.
+constexpr int wg_o_off(int VT) {
+  return 2 * wg_buffer_bytes(VT) + static_cast<int>(sizeof(float)) * 3 * C * (VT / 64) + 2 * 8;
 }
+/// Dynamic shared memory of the warpgroup state pass.
+constexpr size_t wg_smem_bytes(int VT) { return size_t(wg_o_off(VT)) + size_t(C) * (2 * VT + 16); }
+static_assert(wg_o_off(64) % 16 == 0 && wg_o_off(128) % 16 == 0, "the output stage's rows are 16-byte aligned");
 static_assert(wg_q_off(64) % 16 == 0 && wg_buffer_bytes(64) % 16 == 0, "bulk copies land 16-byte aligned");
 static_assert(wg_smem_bytes(128) <= 232448, "the 128-column warpgroup state pass fits an H100 / H200 block");
 /// Backward mode: the prep kernel's tiles T2, P [C][LDC], do, Y, KWn [C][LDK] and C gates and gains.
@@ -178,6 +181,7 @@ struct ChunkArgs {
   bool vec_qk = false;         ///< q and k rows can be read 16 bytes at a time (aligned, K % 8 == 0)
   bool vec_v = false;          ///< v rows can be read 16 bytes at a time
   bool pair_o = false;         ///< o can be written two adjacent elements at a time (pair_rows)
+  bool vec_o = false;          ///< o rows can be written 16 bytes at a time (aligned, V % 8 == 0)
   // Workspace (device), laid out by chunk_workspace().
   int2* map = nullptr;       ///< [chunk_bound] (sequence, chunk) of each global chunk, n = -1 past the end
   int64_t* first = nullptr;  ///< [N + 1] first global chunk of each sequence

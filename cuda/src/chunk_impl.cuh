@@ -462,6 +462,15 @@ __device__ __forceinline__ uint32_t mul2(uint32_t x, uint32_t f) {
   const Op2 r = __hmul2(*reinterpret_cast<const Op2*>(&x), *reinterpret_cast<const Op2*>(&f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
+/// The two 16-bit operands packed in x as floats (x: the lower element).
+template <class Op>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<Op, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  } else {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  }
+}
 /// Packs two floats as two 16-bit operands.
 template <class Op>
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
@@ -1615,6 +1624,9 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
     cp_async16_zfill(dst + grp * C * 16 + r * 16, ok ? src + r * gld + 8 * grp : src, ok ? 16 : 0);
 }
 
+/// state_wg_kernel's compile-time paths (its MODE bits): Diagonal decay, raw v rows.
+constexpr int kWgDiag = 1, kWgRawV = 2;
+
 /// The forward's sequential pass (state_kernel without backward mode) on Hopper's warpgroup products
 /// (sm_90a; wgmma.cuh), for 64 x WGS value columns. It keeps the transposed state: warpgroup g holds
 /// S^T for value columns 64 g .. 64 g + 63 (64 x 128, float32) in its accumulators, so every product
@@ -1639,7 +1651,9 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
 /// reads no v rows (its state at the segment's end is the segment's transition A), x = 1 from S = 0
 /// (the offset B); neither forms O, so no q rows and no P are copied; each writes S^T to Tseg. Without
 /// TR (pass 2) each segment starts from Sseg (split_scan_kernel's) and the last one writes hT.
-template <class Tin, class Op, int WGS, bool TR = false>
+/// MODE (compile-time paths, so that a launch issues no code of the others): kWgDiag for Diagonal
+/// decay, kWgRawV for raw v rows (ChunkArgs::raw_v; 128 columns); the launcher picks it (launch_state_wg).
+template <class Tin, class Op, int WGS, bool TR = false, int MODE = TR ? kWgRawV : 0>
 __global__ void __launch_bounds__(WGS * 128, 1)
     state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                     const __grid_constant__ CUtensorMap tv) {
@@ -1651,7 +1665,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   constexpr int CGB = C * 16;        // column group of the packed tiles (row group: 128 bytes)
   constexpr int BUF = wg_buffer_bytes(VT);
   constexpr int UOFF = wg_u_off(), POFF = wg_p_off(VT), GOFF = wg_g_off(VT), QOFF = wg_q_off(VT), KWOFF = wg_kw_off(VT);
-  constexpr int TMOFF = wg_tm_off(VT);
+  constexpr int TMOFF = wg_tm_off(VT), OOFF = wg_o_off(VT);
   extern __shared__ __align__(128) unsigned char smem[];
   // The warp index through a shuffle: ptxas then knows it is uniform, and the products are not on a
   // divergent path (which would serialise them).
@@ -1661,14 +1675,17 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   float* s_es = s_eo + C;                                              // of R's copy for the update
   float* s_ez = s_es + C;                                              // and of K's rows in Z (raw_v)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
-  const bool diag = a.decay == kDecayDiagonal, raw = ca.raw_q || ca.raw_kw;
+  // Diagonal decay and raw v rows at compile time (wg_mode): the code of the paths a launch does not
+  // take would otherwise be issued under false predicates.
+  constexpr bool diag = MODE & kWgDiag, rv = MODE & kWgRawV;
+  const bool raw = ca.raw_q || ca.raw_kw;
   // raw_v: the raw v rows in U's place; Z's k rows are KW's tile when that is raw k (raw_kw), raw k rows
   // copied into W's place when q's rows are raw but KW is not k (rk), or else the intra-chunk kernel's
   // K ⊙ e^gamma (normalised and decayed already) in W's place (kg).
   // (128 columns only: the host sets raw_v with 128-column tiles, and v's tile is then one packed key tile.)
-  const bool rv = VT == 128 && ca.raw_v, rk = rv && raw && !ca.raw_kw, kg = rv && !raw;
-  static_assert(VT != 128 || 2 * C * VT == kWgPacked, "a 128-column v tile is one packed key tile");
-  static_assert(!TR || VT == 128, "the split pass runs 128-column tiles");
+  const bool rk = rv && raw && !ca.raw_kw, kg = rv && !raw;
+  static_assert(!rv || 2 * C * VT == kWgPacked, "raw v rows: a 128-column v tile is one packed key tile");
+  static_assert(!TR || rv, "the split pass runs 128-column tiles with raw v rows");
   // Chunk ci's raw rows by cp.async (its copies then need a proxy fence and a barrier before the products)?
   auto rows_by_threads = [&](int rows) { return (raw || rv) && (!ca.tma_rows || (a.cu_seqlens && rows < C)); };
   // Split pass: segment `seg` of sequence n (TR: part 0 the transition, 1 the offset); TR reads the q
@@ -1813,33 +1830,43 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         for (int kk = 0; kk < 8; ++kk) wg::mma<Op, 64, 0>(ot, sa[kk], wg::desc(Q_a + kk * 2 * q_cg, q_cg, q_rg), true);
         wg::commit();
       }
-      // Meanwhile the chunk's row factors: O's rows get e^gamma_t (and raw q's norm and scale), R's copy
+      // Meanwhile the chunk's row factors (scalar or no decay; with Diagonal decay the intra-chunk kernel
+      // applied the decays to the tiles): O's rows get e^gamma_t (and raw q's norm and scale), R's copy
       // for the update e^(gamma_C - gamma_t) (and raw k's norm), zero past L; raw_v: Z's columns
       // e^gamma_t and raw k's norm.
-      const float gl = diag ? 0.f : sG[L - 1];
-      if (wt < C) {
-        s_eo[wt] = diag ? 1.f : __expf(sG[wt]) * (ca.raw_q ? sRn[wt] * a.scale : 1.f);
-        if (rv) s_ez[wt] = kg ? 1.f : __expf(sG[wt]) * sRn[C + wt];
-      } else {
-        s_es[wt - C] = wt - C < L ? (diag ? 1.f : __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f)) : 0.f;
+      if constexpr (!diag) {
+        const float gl = sG[L - 1];
+        if (wt < C) {
+          s_eo[wt] = __expf(sG[wt]) * (ca.raw_q ? sRn[wt] * a.scale : 1.f);
+          if (rv) s_ez[wt] = kg ? 1.f : __expf(sG[wt]) * sRn[C + wt];
+        } else {
+          s_es[wt - C] = wt - C < L ? __expf(gl - sG[wt - C]) * (ca.raw_kw ? sRn[wt] : 1.f) : 0.f;
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
       }
-      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
       wg::wait<TR ? 0 : 1>();  // R's group (O's may still run)
 #pragma unroll
       for (int j = 0; j < 32; ++j) wg::pin(rt[j]);
-      if (rv) {
-        // R^T = (V^T - Z^T Diag(e^gamma rn_k)) Tm^T: Y^T's 16-bit A fragments.
-        const unsigned char* sV = buf + UOFF;
+      if constexpr (rv) {
+        // R^T = (V^T - Z^T Diag(e^gamma rn_k)) Tm^T (Diagonal decay: no raw k rows, Y^T = V^T - Z^T). V^T's
+        // A fragments by ldmatrix.trans from v's packed tile: matrix q of each four holds value rows
+        // 8 (q & 1) .. and tokens 8 (2 kk + q / 2) .., lane l addresses row l % 8 of matrix l / 8.
+        const int l = threadIdx.x & 31;
+        const unsigned char* vrow =
+            buf + UOFF + ((64 * g + m0) / 8 + ((l >> 3) & 1)) * CGB + (8 * (l >> 4) + (l & 7)) * 16;
         uint32_t ya[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < 4; ++kk) {
+          uint32_t vf[4] = {0u, 0u, 0u, 0u};
+          if (need_v) ldsm_x4_t(vf, vrow + kk * 16 * 16);
 #pragma unroll
           for (int x = 0; x < 4; ++x) {
-            const int j = 8 * kk + 2 * x, c = 64 * g + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-            const Op* vp = reinterpret_cast<const Op*>(sV + (c >> 3) * CGB + t * 16 + (c & 7) * 2);
-            const float x0 = need_v ? to_float(vp[0]) : 0.f, x1 = need_v ? to_float(vp[8]) : 0.f;
-            ya[kk][x] = pack2<Op>(x0 - rt[j] * s_ez[t], x1 - rt[j + 1] * s_ez[t + 1]);
+            const int j = 8 * kk + 2 * x, t = acc_col(8 * (j / 4), j % 4);
+            const float2 v = unpack2<Op>(vf[x]);
+            ya[kk][x] = diag ? pack2<Op>(v.x - rt[j], v.y - rt[j + 1])
+                             : pack2<Op>(v.x - rt[j] * s_ez[t], v.y - rt[j + 1] * s_ez[t + 1]);
           }
+        }
         wg::fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wg::mma<Op, 64, 0>(rt, ya[kk], wg::desc(TM_a + kk * 2 * CGB, CGB, 128), kk > 0);
@@ -1850,13 +1877,13 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       for (int j = 0; j < 32; ++j) wg::pin(rt[j]), wg::pin(ot[j]);
     }
     // R^T = U^T - S^T W^T (raw_v: formed above); its 16-bit fragments as is (for O) and scaled (for the
-    // update); O^T's columns scaled; the state decayed.
+    // update; Diagonal decay: zero past L only); O^T's columns scaled; the state decayed.
     uint32_t rb[4][4], ra[4][4];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-      if (!rv) rt[j] = to_float(sU[blocked_at(t, 64 * g + (c & ~7)) + (c & 7)]) - rt[j];
-      ot[j] *= s_eo[t];
+      if constexpr (!rv) rt[j] = to_float(sU[blocked_at(t, 64 * g + (c & ~7)) + (c & 7)]) - rt[j];
+      if constexpr (!diag) ot[j] *= s_eo[t];
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
@@ -1864,11 +1891,34 @@ __global__ void __launch_bounds__(WGS * 128, 1)
       for (int x = 0; x < 4; ++x) {
         const int j = 8 * kk + 2 * x, t = acc_col(8 * (j / 4), j % 4);
         rb[kk][x] = pack2<Op>(rt[j], rt[j + 1]);
-        ra[kk][x] = pack2<Op>(rt[j] * s_es[t], rt[j + 1] * s_es[t + 1]);
+        if constexpr (!diag) ra[kk][x] = pack2<Op>(rt[j] * s_es[t], rt[j + 1] * s_es[t + 1]);
       }
-    const float gC = diag ? 1.f : __expf(sG[L - 1]);
+    if constexpr (diag) {
+      if (L == C) {
 #pragma unroll
-    for (int j = 0; j < 64; ++j) ST[j] *= diag ? sG[acc_col(8 * (j / 4), j % 4)] : gC;
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) ra[kk][x] = rb[kk][x];
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int j = 8 * kk + 2 * x, t = acc_col(8 * (j / 4), j % 4);
+            ra[kk][x] = pack2<Op>(t < L ? rt[j] : 0.f, t + 1 < L ? rt[j + 1] : 0.f);
+          }
+      }
+      // S^T's column k decays by e^gamma_C[k] (sG): a thread's columns come in adjacent pairs.
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float2 e = *reinterpret_cast<const float2*>(sG + acc_col(8 * i, 0));
+        ST[4 * i] *= e.x, ST[4 * i + 1] *= e.y, ST[4 * i + 2] *= e.x, ST[4 * i + 3] *= e.y;
+      }
+    } else {
+      const float gC = __expf(sG[L - 1]);
+#pragma unroll
+      for (int j = 0; j < 64; ++j) ST[j] *= gC;
+    }
     wg::fence();
     if constexpr (!TR)
 #pragma unroll
@@ -1879,13 +1929,43 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     wg::wait<0>();
 #pragma unroll
     for (int j = 0; j < 64; ++j) wg::pin(ST[j]);
-    if constexpr (!TR)
+    if constexpr (!TR) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        wg::pin(ot[j]);
-        const int c = v0 + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
-        if (t < L && c < a.V) o[b * a.so[0] + (bos + ci * C + t) * a.so[1] + hv * a.so[2] + c] = from_float<Tin>(ot[j]);
+      for (int j = 0; j < 32; ++j) wg::pin(ot[j]);
+      const int64_t orow0 = b * a.so[0] + (bos + ci * C) * a.so[1] + hv * a.so[2];
+      bool staged = false;
+      if constexpr (sizeof(Tin) == 2) staged = ca.vec_o;
+      if (staged) {
+        // O^T's 16-bit fragments transposed by stmatrix into the token rows of the block's stage (row
+        // stride OLD: 16 bytes of padding put a matrix's eight rows in different banks), then each
+        // token row's 128 bytes of this warpgroup to o, 16 bytes per thread. Matrix q of each four:
+        // value rows 8 (q & 1) .., tokens 8 (2 i + q / 2) ..; lane l addresses token row l % 8 of matrix l / 8.
+        constexpr int OLD = 2 * VT + 16;
+        unsigned char* stage = smem + OOFF;
+        const int l = threadIdx.x & 31;
+        const uint32_t st0 = smem_addr(stage + (8 * (l >> 4) + (l & 7)) * OLD + (64 * g + m0 + 8 * ((l >> 3) & 1)) * 2);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          wg::stsm_x4_t(st0 + 16 * i * OLD, pack2<Op>(ot[8 * i], ot[8 * i + 1]), pack2<Op>(ot[8 * i + 2], ot[8 * i + 3]),
+                        pack2<Op>(ot[8 * i + 4], ot[8 * i + 5]), pack2<Op>(ot[8 * i + 6], ot[8 * i + 7]));
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
+        const int r0 = wt / 8, col = v0 + 8 * (wt % 8);  // col: o's column (the stage's: col - v0 + 64 g)
+        if (col < a.V)
+#pragma unroll
+          for (int p = 0; p < C / 16; ++p) {
+            const int r = r0 + 16 * p;
+            if (r < L)
+              *reinterpret_cast<uint4*>(o + orow0 + r * a.so[1] + col) =
+                  *reinterpret_cast<const uint4*>(stage + r * OLD + (col - v0 + 64 * g) * 2);
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int c = v0 + acc_row(m0, j % 4), t = acc_col(8 * (j / 4), j % 4);
+          if (t < L && c < a.V) o[orow0 + t * a.so[1] + c] = from_float<Tin>(ot[j]);
+        }
       }
+    }
     bi ^= 1;
   }
   if (TR) {  // S^T at the segment's end: A^T (part 0) or B^T (part 1)
@@ -1952,17 +2032,33 @@ bool state_wg_runs() {
 
 /// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs); with ChunkArgs::split,
 /// a block per segment (TR: pass 1, two per segment but the last).
-template <class Tin, class Op, int WGS, bool TR = false>
-cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
-                            cudaStream_t stream) {
+template <class Tin, class Op, int WGS, bool TR, int MODE>
+cudaError_t launch_state_wg_mode(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk,
+                                 const CUtensorMap& tv, cudaStream_t stream) {
   constexpr size_t bytes = wg_smem_bytes(64 * WGS);
-  auto* kernel = state_wg_kernel<Tin, Op, WGS, TR>;
+  auto* kernel = state_wg_kernel<Tin, Op, WGS, TR, MODE>;
   static const cudaError_t set = allow_smem(kernel, bytes);
   if (set != cudaSuccess) return set;
   const unsigned segs = ca.split > 1 ? ca.split - TR : 1;
   const dim3 grid(TR ? 2 : ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N * segs);
   kernel<<<grid, WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
   return cudaGetLastError();
+}
+template <class Tin, class Op, int WGS, bool TR = false>
+cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+                            cudaStream_t stream) {
+  const bool diag = ca.a.decay == kDecayDiagonal;
+  if constexpr (WGS == 2 && !std::is_same_v<Tin, float>) {  // raw v rows: 16-bit inputs, 128 columns
+    if (ca.raw_v)
+      return diag ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgDiag | kWgRawV>(ca, tq, tk, tv, stream)
+                  : launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV>(ca, tq, tk, tv, stream);
+  }
+  if constexpr (!TR) {
+    if (!ca.raw_v)
+      return diag ? launch_state_wg_mode<Tin, Op, WGS, false, kWgDiag>(ca, tq, tk, tv, stream)
+                  : launch_state_wg_mode<Tin, Op, WGS, false, 0>(ca, tq, tk, tv, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 /// The split state pass's scan (ChunkArgs::split): the state entering each segment of each (sequence,

@@ -121,6 +121,19 @@ __device__ __forceinline__ void tensor_copy5(uint32_t dst, const void* map, int 
 #endif
 }
 
+/// Stores four 8 x 8 matrices of 16-bit elements transposed (stmatrix .trans): register i of each
+/// thread holds two elements of matrix i in the mma fragment layout, and lane l gives the shared
+/// address of row l % 8 of matrix l / 8 (16 bytes), which receives column l % 8 of that matrix.
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#if DGPS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#else
+  (void)addr, (void)r0, (void)r1, (void)r2, (void)r3;
+#endif
+}
+
 /// Keeps the compiler from moving accesses of accumulator x across the asynchronous products.
 __device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 
