@@ -263,6 +263,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       std::vector<int64_t> cu;
       DType d;
       const char* tile;
+      bool rv = true;  // 128 columns on Hopper: the residual from the raw v rows (V = 128)
     };
     const WgCase cases[] = {
         {"gdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {},
@@ -277,6 +278,12 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
          {0, 1, 65, 65, 130, 300}, DType::bf16, "v32"},
         {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 64}, {}, DType::bf16,
          "v32"},
+        // Narrower V in the warpgroup pass's tiles: o's rows staged and written 16 bytes at a time for
+        // the 48 columns of a 64-column tile, element by element for V = 100 (rows not 16-byte multiples).
+        {"gdn", {.batch = 5, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 48}, {}, DType::bf16,
+         "v64"},
+        {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 100}, {},
+         DType::bf16, "v128/raw", false},
         {"mamba2", {.batch = 2, .time = 130, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {},
          DType::bf16, "v16"},
         {"pdn", {.batch = 2, .time = 100, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 64}, {}, DType::bf16,
@@ -293,7 +300,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         // Hopper copies the raw rows with tensor copies (DGPS_CUDA_TMA, on by default) and, with the
         // delta rule and 128-column tiles, v's too (ChunkArgs::raw_v: KDA's with its K ⊙ e^gamma tile,
         // K = 64's likewise).
-        const std::string expect = !want || tile.rfind("v128", 0) != 0 ? tile : tile + "/tma/rv";
+        const std::string expect = !want || tile.rfind("v128", 0) != 0 ? tile : tile + (w.rv ? "/tma/rv" : "/tma");
         report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + expect,
                      name + ": variant " + impl);
         if (quick) break;
