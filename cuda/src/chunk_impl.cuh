@@ -1651,6 +1651,8 @@ constexpr int kWgDiag = 1, kWgRawV = 2;
 /// reads no v rows (its state at the segment's end is the segment's transition A), x = 1 from S = 0
 /// (the offset B); neither forms O, so no q rows and no P are copied; each writes S^T to Tseg. Without
 /// TR (pass 2) each segment starts from Sseg (split_scan_kernel's) and the last one writes hT.
+/// O^T leaves through a staging tile (stmatrix, transposed to token rows) written 16 bytes per thread
+/// where o's rows allow it (ChunkArgs::vec_o, 16-bit o), else element by element.
 /// MODE (compile-time paths, so that a launch issues no code of the others): kWgDiag for Diagonal
 /// decay, kWgRawV for raw v rows (ChunkArgs::raw_v; 128 columns); the launcher picks it (launch_state_wg).
 template <class Tin, class Op, int WGS, bool TR = false, int MODE = TR ? kWgRawV : 0>
@@ -1675,8 +1677,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   float* s_es = s_eo + C;                                              // of R's copy for the update
   float* s_ez = s_es + C;                                              // and of K's rows in Z (raw_v)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
-  // Diagonal decay and raw v rows at compile time (wg_mode): the code of the paths a launch does not
-  // take would otherwise be issued under false predicates.
+  // Diagonal decay and raw v rows at compile time (MODE): the code of the paths a launch does not take
+  // would otherwise be issued under false predicates.
   constexpr bool diag = MODE & kWgDiag, rv = MODE & kWgRawV;
   const bool raw = ca.raw_q || ca.raw_kw;
   // raw_v: the raw v rows in U's place; Z's k rows are KW's tile when that is raw k (raw_kw), raw k rows
@@ -1946,8 +1948,9 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         const uint32_t st0 = smem_addr(stage + (8 * (l >> 4) + (l & 7)) * OLD + (64 * g + m0 + 8 * ((l >> 3) & 1)) * 2);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          wg::stsm_x4_t(st0 + 16 * i * OLD, pack2<Op>(ot[8 * i], ot[8 * i + 1]), pack2<Op>(ot[8 * i + 2], ot[8 * i + 3]),
-                        pack2<Op>(ot[8 * i + 4], ot[8 * i + 5]), pack2<Op>(ot[8 * i + 6], ot[8 * i + 7]));
+          wg::stsm_x4_t(st0 + 16 * i * OLD, pack2<Op>(ot[8 * i], ot[8 * i + 1]),
+                        pack2<Op>(ot[8 * i + 2], ot[8 * i + 3]), pack2<Op>(ot[8 * i + 4], ot[8 * i + 5]),
+                        pack2<Op>(ot[8 * i + 6], ot[8 * i + 7]));
         asm volatile("bar.sync %0, 128;\n" ::"r"(2 + g) : "memory");
         const int r0 = wt / 8, col = v0 + 8 * (wt % 8);  // col: o's column (the stage's: col - v0 + 64 g)
         if (col < a.V)
@@ -2030,8 +2033,8 @@ bool state_wg_runs() {
   return runs;
 }
 
-/// Launches the warpgroup state pass with 64 x WGS value columns (where state_wg_runs); with ChunkArgs::split,
-/// a block per segment (TR: pass 1, two per segment but the last).
+/// Launches the warpgroup state pass's instance MODE with 64 x WGS value columns (where state_wg_runs); with
+/// ChunkArgs::split, a block per segment (TR: pass 1, two per segment but the last).
 template <class Tin, class Op, int WGS, bool TR, int MODE>
 cudaError_t launch_state_wg_mode(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk,
                                  const CUtensorMap& tv, cudaStream_t stream) {
@@ -2044,6 +2047,9 @@ cudaError_t launch_state_wg_mode(const ChunkArgs& ca, const CUtensorMap& tq, con
   kernel<<<grid, WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
   return cudaGetLastError();
 }
+/// Launches the warpgroup state pass (launch_state_wg_mode) in the instance of the call's decay and residual:
+/// Diagonal decay or not, raw v rows (16-bit inputs, 128 columns) or W and U. cudaErrorInvalidValue where
+/// no instance applies (the split pass without raw v rows).
 template <class Tin, class Op, int WGS, bool TR = false>
 cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                             cudaStream_t stream) {
