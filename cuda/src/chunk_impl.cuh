@@ -537,6 +537,33 @@ __device__ __forceinline__ const float* gamma_row(const float* G, const float* G
   return Gb ? Gb + gamma_block_row(r) * KP : G + r * LDG;
 }
 
+/// The outer factors of one row's N (4 or 8) channels at element offset `at` of the key tiles (packed
+/// multiplies): K's and Q's by e^(g - ga), KW's by e^(gz - g) into KWh; g the row's gamma of those
+/// channels, ga and gz its block's first and last rows'.
+template <class Op, int N>
+__device__ __forceinline__ void scale_outer(Op* sK, Op* sQ, const Op* sKW, Op* sKWh, int at, const float* g,
+                                            const float* ga, const float* gz) {
+  using V = std::conditional_t<N == 8, uint4, uint2>;
+  V xk = *reinterpret_cast<const V*>(sK + at);
+  V xq = *reinterpret_cast<const V*>(sQ + at);
+  V xw = *reinterpret_cast<const V*>(sKW + at);
+  uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
+  uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
+  uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
+#pragma unroll
+  for (int j = 0; j < N; j += 2) {
+    const float g0 = g[j], g1 = g[j + 1];
+    const uint32_t fa = pack2<Op>(__expf(g0 - ga[j]), __expf(g1 - ga[j + 1]));
+    const uint32_t fz = pack2<Op>(__expf(gz[j] - g0), __expf(gz[j + 1] - g1));
+    pk[j / 2] = mul2<Op>(pk[j / 2], fa);
+    pq[j / 2] = mul2<Op>(pq[j / 2], fa);
+    pw[j / 2] = mul2<Op>(pw[j / 2], fz);
+  }
+  *reinterpret_cast<V*>(sK + at) = xk;
+  *reinterpret_cast<V*>(sQ + at) = xq;
+  *reinterpret_cast<V*>(sKWh + at) = xw;
+}
+
 /// Diagonal decay (SPEC §4), warp w owns the 16-row block a = w (rows m0 = 16w ..): rows m0 .. m0 + 15
 /// of Akk = Diag(beta) Bm (Bm Diag(beta) in backward mode) and of P, with e^(gamma_i - gamma_j) per
 /// channel formed from differences in the exponent so that strong decays stay finite:
@@ -637,23 +664,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
       if (r > m0)
 #pragma unroll
         for (int j = 0; j < 4; ++j) g[j] += r < gr.L && c4 + j < gr.K ? to_float(gp[r * gr.rs + c4 + j]) : 0.f;
-      uint2 xk = *reinterpret_cast<const uint2*>(sK + r * LDK + c4);
-      uint2 xq = *reinterpret_cast<const uint2*>(sQ + r * LDK + c4);
-      uint2 xw = *reinterpret_cast<const uint2*>(sKW + r * LDK + c4);
-      uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
-      uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
-      uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        const uint32_t fa = pack2<Op>(__expf(g[j] - ga[j]), __expf(g[j + 1] - ga[j + 1]));
-        const uint32_t fz = pack2<Op>(__expf(gz[j] - g[j]), __expf(gz[j + 1] - g[j + 1]));
-        pk[j / 2] = mul2<Op>(pk[j / 2], fa);
-        pq[j / 2] = mul2<Op>(pq[j / 2], fa);
-        pw[j / 2] = mul2<Op>(pw[j / 2], fz);
-      }
-      *reinterpret_cast<uint2*>(sK + r * LDK + c4) = xk;
-      *reinterpret_cast<uint2*>(sQ + r * LDK + c4) = xq;
-      *reinterpret_cast<uint2*>(sKWh + r * LDK + c4) = xw;
+      scale_outer<Op, 4>(sK, sQ, sKW, sKWh, r * LDK + c4, g, ga, gz);
     }
   };
   if (lean) {
@@ -670,24 +681,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
   for (int j = 0; j < 8; ++j) ga[j] = gA[c8 + j], gz[j] = gZ[c8 + j];
 #pragma unroll 2
   for (int r = m0 + lane / 16; r < (lean ? m0 : m0 + 16); r += 2) {
-    uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
-    uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-    uint4 xw = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-    uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
-    uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
-    uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      const float g0 = G[r * LDG + c8 + j], g1 = G[r * LDG + c8 + j + 1];
-      const uint32_t fa = pack2<Op>(__expf(g0 - ga[j]), __expf(g1 - ga[j + 1]));
-      const uint32_t fz = pack2<Op>(__expf(gz[j] - g0), __expf(gz[j + 1] - g1));
-      pk[j / 2] = mul2<Op>(pk[j / 2], fa);
-      pq[j / 2] = mul2<Op>(pq[j / 2], fa);
-      pw[j / 2] = mul2<Op>(pw[j / 2], fz);
-    }
-    *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
-    *reinterpret_cast<uint4*>(sQ + r * LDK + c8) = xq;
-    *reinterpret_cast<uint4*>(sKWh + r * LDK + c8) = xw;
+    scale_outer<Op, 8>(sK, sQ, sKW, sKWh, r * LDK + c8, G + r * LDG + c8, ga, gz);
   }
   __syncthreads();  // every block's KW rows are scaled
   float accA[8][4], accP[8][4];
