@@ -746,13 +746,16 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
 /// owns rows 16w .. 16w + 15 of every C-row product. LEAN: the lean Diagonal-decay layout below, its
 /// own instantiation (the launch picks it for Diagonal decay with raw v rows), so that its registers
-/// do not change the other models' code.
-template <class Tin, class Op, bool LEAN = false>
-__global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) {
+/// do not change the other models' code. QUAD: the quad layout below (four blocks per SM), launched for
+/// the forward of the Identity preconditioner with scalar or no decay, raw q, k rows and raw v rows.
+template <class Tin, class Op, bool LEAN = false, bool QUAD = false>
+__global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const ChunkArgs ca) {
+  static_assert(!(LEAN && QUAD), "one layout");
   const RecArgs& a = ca.a;
+  const bool online = QUAD || a.online, bwd = !QUAD && ca.bwd;  // (QUAD: raw v rows, an Online solve)
   const int LDV = ca.Vpad + 8;
-  const bool has_p = a.precond != kPrecondIdentity, atk = a.precond == kPrecondATK;
-  const bool diag = LEAN || a.decay == kDecayDiagonal;  // (LEAN: Diagonal decay always)
+  const bool has_p = !QUAD && a.precond != kPrecondIdentity, atk = !QUAD && a.precond == kPrecondATK;
+  const bool diag = LEAN || (!QUAD && a.decay == kDecayDiagonal);  // (LEAN: Diagonal decay always)
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sQ = reinterpret_cast<Op*>(smem);  // [C][LDK] normalised, scaled q (qr for DiagonalATQ)
   Op* sK = sQ + C * LDK;                 // [C][LDK] read key k, later k ⊙ e^gamma
@@ -771,19 +774,24 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile. It has no v tile
   // (sV null) and no P staging (sPst would alias the q tile): both are used only without raw_v, and the
   // kernel returns after Tm with raw_v.
+  // The quad layout (QUAD, intra_quad_smem_bytes(): four blocks per SM): the q and k tiles, Akk's diagonal
+  // blocks and Akk. Each warp stages its rows of P in its own (already read) rows of the q tile (row
+  // stride LDK); after the products Tinv and the solve's scratch take the q tile, Tm is formed in
+  // Tinv's place, and the kernel returns after Tm (no v tile, no tiles out but gamma).
   const bool atk_nd = atk && !diag, lean = LEAN;  // (LEAN is launched for diag && ca.raw_v only)
-  Op* sTm = diag || atk_nd ? nullptr : sEnd;                                      // [C][LDC]
-  float* sAd = reinterpret_cast<float*>(diag || atk_nd ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
+  Op* sTm = diag || atk_nd || QUAD ? nullptr : sEnd;                                      // [C][LDC]
+  float* sAd = reinterpret_cast<float*>(diag || atk_nd || QUAD ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
   __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
   float* sGb = lean ? reinterpret_cast<float*>(sAh + C * LDC) : nullptr;  // [8][KP] lean: gamma's block rows
-  __half* sTh = lean ? reinterpret_cast<__half*>(sQ) : sAh + C * LDC;      // [C][LDC] Tinv (lower block triangle)
-  float* sG = lean ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);   // [C][LDG] per-channel gamma (Diagonal decay)
-  __half* sXh = lean ? sTh + C * LDC
+  __half* sTh = lean || QUAD ? reinterpret_cast<__half*>(sQ) : sAh + C * LDC;  // [C][LDC] Tinv (lower block triangle)
+  float* sG = lean || QUAD ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);  // [C][LDG] per-channel gamma (Diagonal decay)
+  __half* sXh = lean || QUAD ? sTh + C * LDC
                 : diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
-  Op* sV = diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
-  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;                            // P's staging
+  Op* sV = QUAD ? nullptr : diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
+  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : QUAD ? sQ : sTm;  // P's staging
+  const int LDP = QUAD ? LDK : LDC;                                          // its row stride
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
-  if (atk_nd) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
+  if (atk_nd || QUAD) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
   __shared__ float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
   __shared__ __align__(16) float s_beta[C];  // read 16 bytes at a time when Tm is formed
 
@@ -801,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // The v rows are staged only after the solve: start bringing them into L2 now (one 128-byte line
   // per thread and step) so that the late stage_rows finds them there. (With raw_v the state pass
   // reads them instead.)
-  if (!ca.raw_v) {
+  if (!QUAD && !ca.raw_v) {
     const char* v0 = reinterpret_cast<const char*>(v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2]);
     const int lines = (a.V * int(sizeof(Tin)) + 127) / 128;
     const int64_t row_bytes = a.sv[1] * int64_t(sizeof(Tin));
@@ -881,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   {
     // Backward mode with `rq`: the inverse norms of the chunk's rows (one value head per key head writes).
     // Raw rows for the state pass (ca.rn): every row's inverse norm (rows past L are zero rows there).
-    const bool inv = ca.rq && hv % a.group == 0;
+    const bool inv = !QUAD && ca.rq && hv % a.group == 0;
     const int64_t row0 = a.cu_seqlens ? p.t0 : p.b * a.T + p.t0;
     float* rn = ca.rn ? ca.rn + (gc * a.HV + hv) * 2 * C : nullptr;
     normalise_rows(sQ, a.l2norm, a.scale, inv ? ca.rq + row0 * a.H + h : rn, inv ? a.H : 1, inv ? L : C);
@@ -935,7 +943,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     float fea[8], fez[8];  // Diagonal decay: e^gamma_16a and e^(gamma_C - gamma_16a+15) of this thread's channels
     static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
 #pragma unroll
-    for (int e = tid; e < C * KP / 8; e += kThreads) {
+    for (int e = tid; e < (QUAD ? 0 : C * KP / 8); e += kThreads) {  // (QUAD: raw rows, no tiles)
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
       if (diag) {
         // Thread tid always has channels c8 = 8 (tid % 16) ..; rows tid / 16 + 8 it lie in block it / 2.
@@ -980,7 +988,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       return;
     }
     // No W: the state pass scales its own raw k rows (chunk_workspace allocates W by the same test).
-    if (ca.raw_v && (ca.raw_q || ca.raw_kw)) return;
+    if (QUAD || (ca.raw_v && (ca.raw_q || ca.raw_kw))) return;
     __syncthreads();  // KW may be K itself
     for (int e = tid; e < C * KP / 8; e += kThreads) {
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8;
@@ -1039,7 +1047,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         if (nt * 8 > m0 + 15) break;  // above the diagonal: masked anyway
         uint32_t fb[4];
         load_b(fb, sKW, LDK, nt * 8, k0);
-        if (a.online) {
+        if (online) {
           mma<Op>(accA[nt], fk, fb);
           mma<Op>(accA[nt + 1], fk, fb + 2);
         }
@@ -1055,8 +1063,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     for (int nt = 0; nt < 8; ++nt) {
       const int bj = nt / 2, j = acc_col(nt * 8, 0);
       if (bj > warp) {
-        store2(sPst + acc_row(m0, 0) * LDC + j, 0.f, 0.f);
-        store2(sPst + acc_row(m0, 2) * LDC + j, 0.f, 0.f);
+        store2(sPst + acc_row(m0, 0) * LDP + j, 0.f, 0.f);
+        store2(sPst + acc_row(m0, 2) * LDP + j, 0.f, 0.f);
         continue;
       }
       const float gj0 = s_gam[j], gj1 = s_gam[j + 1];
@@ -1065,11 +1073,11 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
         const int i = acc_row(m0, e);
         float d0 = __expf(gi[e / 2] - gj0), d1 = __expf(gi[e / 2] - gj1);
         if (bj == warp) d0 = j <= i ? d0 : 0.f, d1 = j + 1 <= i ? d1 : 0.f;
-        store2(sPst + i * LDC + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
-        if (!a.online) continue;
+        store2(sPst + i * LDP + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
+        if (!online) continue;
         // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
-        float x0 = s_beta[ca.bwd ? j : i] * accA[nt][e] * d0;
-        float x1 = s_beta[ca.bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
+        float x0 = s_beta[bwd ? j : i] * accA[nt][e] * d0;
+        float x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
         if (bj == warp) {
           x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
           sAd[warp * 272 + (i % 16) * 17 + j % 16] = x0;
@@ -1080,8 +1088,8 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       }
     }
     __syncwarp();
-    if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
-    store_rows16(P, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
+    if (bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
+    store_rows16(P, m0, C, sPst + m0 * LDP, LDP, C, ca.blocked);
   }
   __syncthreads();
   if (diag || atk_nd) {  // the tiles out now: gamma's region (or the q tile) is the solve's scratch from here on
@@ -1093,7 +1101,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // float32 (warp w, lane = column), then, one row of blocks at a time, the blocks below them on
   // tensor cores (f16 operands, float32 accumulation; warp bj computes block (bi, bj)):
   // T[bi][bj] = -T[bi][bi] sum_{l=bj}^{bi-1} A[bi][l] T[l][bj].
-  if (a.online) {
+  if (online) {
     if (lane < 16) {
       const float* Ad = sAd + warp * 272;
       float x[16];
@@ -1144,7 +1152,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   // Tm = Tinv Diag(beta) (Offline: Diag(beta)); backward mode: Tm = T2 = Tinv (Offline: I), also
   // written to the workspace.
   // Eight entries per thread and step, read 16 bytes at a time (in place for atk_nd: the same slots).
-  Op* T2 = ca.bwd ? static_cast<Op*>(ca.T2) + (gc * a.HV + hv) * C * C : nullptr;
+  Op* T2 = bwd ? static_cast<Op*>(ca.T2) + (gc * a.HV + hv) * C * C : nullptr;
   Op* Tmw = ca.raw_v ? static_cast<Op*>(ca.Tm) + (gc * a.HV + hv) * C * C : nullptr;  // blocked, for the state pass
   static_assert(C * C / 8 % kThreads == 0, "whole steps");
 #pragma unroll
@@ -1153,7 +1161,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
     // Tinv below the diagonal: groups of 8 columns left of i lie in blocks the solve wrote (a group
     // holding i too has exact zeros right of i and 1 at i); groups from i on hold 1 at i only.
     uint4 th = make_uint4(0, 0, 0, 0);
-    if (a.online && j0 < i) th = *reinterpret_cast<const uint4*>(sTh + i * LDC + j0);
+    if (online && j0 < i) th = *reinterpret_cast<const uint4*>(sTh + i * LDC + j0);
     const __half2* th2 = reinterpret_cast<const __half2*>(&th);
     const float4 b0 = *reinterpret_cast<const float4*>(s_beta + j0), b1 = *reinterpret_cast<const float4*>(s_beta + j0 + 4);
     const float bj[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
@@ -1164,7 +1172,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
       float2 t = __half22float2(th2[q2]);
       const int j = j0 + 2 * q2;
       t.x = j == i ? 1.f : t.x, t.y = j + 1 == i ? 1.f : t.y;
-      t2[q2] = ca.bwd ? pack2<Op>(t.x, t.y) : pack2<Op>(t.x * bj[2 * q2], t.y * bj[2 * q2 + 1]);
+      t2[q2] = bwd ? pack2<Op>(t.x, t.y) : pack2<Op>(t.x * bj[2 * q2], t.y * bj[2 * q2 + 1]);
     }
     *reinterpret_cast<uint4*>(sTm + i * LDC + j0) = t8;
     if (T2) *reinterpret_cast<uint4*>(T2 + i * C + j0) = t8;
@@ -1172,7 +1180,7 @@ __global__ void __launch_bounds__(kThreads, 3) intra_kernel(const ChunkArgs ca) 
   }
   __syncthreads();  // Tm is formed: the Akk / inverse region is free from here on
   if (!diag && !atk_nd) tiles_out();
-  if (ca.raw_v) return;  // the state pass makes W S and U from Tm, the k rows and the raw v rows
+  if (QUAD || ca.raw_v) return;  // the state pass makes W S and U from Tm, the k rows and the raw v rows
   {  // v rows into the (now free) Akk / inverse region
     const Tin* v0 = v + p.b * a.sv[0] + p.t0 * a.sv[1] + hv * a.sv[2];
     if (ca.Vpad == 64)
@@ -2166,6 +2174,15 @@ inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int
 /// DGPS_CUDA_TMA=0 keeps the warpgroup state pass's raw rows on cp.async (a testing and benchmarking knob).
 bool tma_allowed() { return !knob_off("DGPS_CUDA_TMA"); }
 
+/// The intra-chunk kernel's quad layout (four blocks per SM) applies: the forward of the Identity
+/// preconditioner with scalar or no decay, raw q and k rows and raw v rows (GDN, DeltaNet, Mamba-2, LA on
+/// the warpgroup pass). DGPS_CUDA_QUAD=0 keeps the standard layout (a benchmarking knob).
+bool intra_quad_runs(const ChunkArgs& c) {
+  static const bool allowed = !knob_off("DGPS_CUDA_QUAD");
+  return allowed && c.a.precond == kPrecondIdentity && c.a.decay != kDecayDiagonal && c.raw_v && c.raw_q &&
+         c.raw_kw && !c.bwd && c.a.online;
+}
+
 template <class Tin, class Op>
 cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
   const RecArgs& a = ca.a;
@@ -2189,6 +2206,10 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, true>, intra_lean_smem_bytes());
     if (set != cudaSuccess) return set;
     intra_kernel<Tin, Op, true><<<grid, kThreads, ismem, stream>>>(c);
+  } else if (intra_quad_runs(c)) {
+    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, true>, intra_quad_smem_bytes());
+    if (set != cudaSuccess) return set;
+    intra_kernel<Tin, Op, false, true><<<grid, kThreads, intra_quad_smem_bytes(), stream>>>(c);
   } else {
     static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
     if (set != cudaSuccess) return set;
