@@ -82,12 +82,13 @@ constexpr size_t intra_lean_smem_bytes() {
   return sizeof(uint16_t) * (3 * C * LDK + C * LDC) + sizeof(float) * (4 * 16 * 17 + 8 * KP);
 }
 static_assert(C * LDK >= C * LDC + 4 * 16 * 24, "the q tile holds Tinv and the solve's scratch");
-/// Bytes of the intra-chunk kernel's quad layout (Identity preconditioner, scalar or no decay, raw rows:
-/// four blocks per SM): the q and k tiles, Akk's diagonal blocks and Akk; P is staged in the q tile's
-/// rows, Tinv, the solve's scratch and Tm take the q tile after the products.
-constexpr size_t intra_quad_smem_bytes() {
-  return sizeof(uint16_t) * (2 * C * LDK + C * LDC) + sizeof(float) * 4 * 16 * 17;
-}
+/// Bytes of the intra-chunk kernel's quad layout (scalar or no decay, raw rows, Identity or DiagonalATK:
+/// four blocks per SM): the q and k tiles, and kw's with DiagonalATK. Akk goes into the q tile's rows,
+/// Tinv, the solve's scratch and Tm into the k tile after the products.
+constexpr size_t intra_quad_smem_bytes(bool atk) { return sizeof(uint16_t) * (atk ? 3 : 2) * C * LDK; }
+/// The quad layouts' instances of the intra-chunk kernel (its QUAD parameter; 0: the other layouts).
+constexpr int kQuadIdentity = 1, kQuadATK = 2;
+static_assert(LDK % 2 == 0 && C + 2 * 16 <= LDK, "Akk's diagonal block fits in the q rows' tails");
 static_assert(sizeof(float) * C * LDG >= sizeof(uint16_t) * (C * (kChunkMaxV + 8) + 4 * 16 * 24),
               "the gamma tile holds the v tile and the solve's scratch");
 /// 16-bit elements of one buffer of a chunk's tiles in the state kernel with VT value columns: W, Q,

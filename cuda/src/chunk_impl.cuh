@@ -746,15 +746,17 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
 /// owns rows 16w .. 16w + 15 of every C-row product. LEAN: the lean Diagonal-decay layout below, its
 /// own instantiation (the launch picks it for Diagonal decay with raw v rows), so that its registers
-/// do not change the other models' code. QUAD: the quad layout below (four blocks per SM), launched for
-/// the forward of the Identity preconditioner with scalar or no decay, raw q, k rows and raw v rows.
-template <class Tin, class Op, bool LEAN = false, bool QUAD = false>
+/// do not change the other models' code. QUAD (kQuadIdentity, kQuadATK): the quad layout below (four
+/// blocks per SM), launched for the forward with scalar or no decay, raw q rows and raw v rows, of the
+/// Identity or the DiagonalATK preconditioner (intra_quad_runs).
+template <class Tin, class Op, bool LEAN = false, int QUAD = 0>
 __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const ChunkArgs ca) {
   static_assert(!(LEAN && QUAD), "one layout");
   const RecArgs& a = ca.a;
   const bool online = QUAD || a.online, bwd = !QUAD && ca.bwd;  // (QUAD: raw v rows, an Online solve)
   const int LDV = ca.Vpad + 8;
-  const bool has_p = !QUAD && a.precond != kPrecondIdentity, atk = !QUAD && a.precond == kPrecondATK;
+  const bool has_p = QUAD ? QUAD == kQuadATK : a.precond != kPrecondIdentity;
+  const bool atk = QUAD ? QUAD == kQuadATK : a.precond == kPrecondATK;
   const bool diag = LEAN || (!QUAD && a.decay == kDecayDiagonal);  // (LEAN: Diagonal decay always)
   extern __shared__ __align__(16) unsigned char smem[];
   Op* sQ = reinterpret_cast<Op*>(smem);  // [C][LDK] normalised, scaled q (qr for DiagonalATQ)
@@ -774,22 +776,25 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   // and once the decayed tiles are out, Tinv and the solve's scratch in the q tile. It has no v tile
   // (sV null) and no P staging (sPst would alias the q tile): both are used only without raw_v, and the
   // kernel returns after Tm with raw_v.
-  // The quad layout (QUAD, intra_quad_smem_bytes(): four blocks per SM): the q and k tiles, Akk's diagonal
-  // blocks and Akk. Each warp stages its rows of P in its own (already read) rows of the q tile (row
-  // stride LDK); after the products Tinv and the solve's scratch take the q tile, Tm is formed in
-  // Tinv's place, and the kernel returns after Tm (no v tile, no tiles out but gamma).
+  // The quad layout (QUAD, intra_quad_smem_bytes(): four blocks per SM): the q and k tiles (and kw's with
+  // DiagonalATK), nothing else. P goes from the accumulators straight to the workspace (blocked layout);
+  // each warp writes its rows of Akk into its own (already read) rows of the q tile: the blocks left of
+  // the diagonal in their first C columns (sAh, row stride LDK), the diagonal block in float32 in the
+  // rows' tails (row stride LDK / 2 floats). After the products Tinv and the solve's scratch take the k
+  // tile (kw's tile is out by then), Tm is formed in Tinv's place, and the kernel returns after Tm (no
+  // v tile, no tiles out but gamma and kw).
   const bool atk_nd = atk && !diag, lean = LEAN;  // (LEAN is launched for diag && ca.raw_v only)
   Op* sTm = diag || atk_nd || QUAD ? nullptr : sEnd;                                      // [C][LDC]
   float* sAd = reinterpret_cast<float*>(diag || atk_nd || QUAD ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
-  __half* sAh = reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDC] Akk below the diagonal blocks
+  __half* sAh = QUAD ? reinterpret_cast<__half*>(sQ) : reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDH] Akk below the diagonal blocks
+  const int LDH = QUAD ? LDK : LDC, LDD = QUAD ? LDK / 2 : 17;  // sAh's row stride, the diagonal blocks' (floats)
   float* sGb = lean ? reinterpret_cast<float*>(sAh + C * LDC) : nullptr;  // [8][KP] lean: gamma's block rows
-  __half* sTh = lean || QUAD ? reinterpret_cast<__half*>(sQ) : sAh + C * LDC;  // [C][LDC] Tinv (lower block triangle)
+  __half* sTh = lean ? reinterpret_cast<__half*>(sQ) : QUAD ? reinterpret_cast<__half*>(sK) : sAh + C * LDC;  // [C][LDC] Tinv (lower block triangle)
   float* sG = lean || QUAD ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);  // [C][LDG] per-channel gamma (Diagonal decay)
   __half* sXh = lean || QUAD ? sTh + C * LDC
                 : diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
   Op* sV = QUAD ? nullptr : diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
-  Op* sPst = diag || atk_nd ? reinterpret_cast<Op*>(sTh) : QUAD ? sQ : sTm;  // P's staging
-  const int LDP = QUAD ? LDK : LDC;                                          // its row stride
+  Op* sPst = QUAD ? nullptr : diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;  // P's staging (QUAD: none)
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
   if (atk_nd || QUAD) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
   __shared__ float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
@@ -943,7 +948,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     float fea[8], fez[8];  // Diagonal decay: e^gamma_16a and e^(gamma_C - gamma_16a+15) of this thread's channels
     static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
 #pragma unroll
-    for (int e = tid; e < (QUAD ? 0 : C * KP / 8); e += kThreads) {  // (QUAD: raw rows, no tiles)
+    for (int e = tid; e < (QUAD == kQuadIdentity ? 0 : C * KP / 8); e += kThreads) {  // (raw rows: no tiles)
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
       if (diag) {
         // Thread tid always has channels c8 = 8 (tid % 16) ..; rows tid / 16 + 8 it lie in block it / 2.
@@ -978,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
       }
       if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + at) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
       if (!ca.raw_kw) *reinterpret_cast<uint4*>(KWn + at) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
-      if (ca.bwd)  // the read keys
+      if (bwd)  // the read keys
         *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
             *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
     }
@@ -1056,15 +1061,19 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
       }
     }
     Op* P = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
+    // QUAD: P's pairs straight to the workspace (blocked: an n-tile's 16 rows are 256 contiguous bytes).
+    auto p_at = [&](int i, int j) { return QUAD ? P + blocked_at(i, j & ~7) + (j & 7) : sPst + i * LDC + j; };
+    float* sAdw = QUAD ? reinterpret_cast<float*>(sQ + m0 * LDK + C) : sAd + warp * 272;  // this warp's diagonal block
     // This warp's rows lie in row block `warp`: the column blocks left of it need no mask, the diagonal
     // block does, the blocks right of it are zero (the branches on nt / 2 are uniform over the warp).
     const float gi[2] = {s_gam[acc_row(m0, 0)], s_gam[acc_row(m0, 2)]};
+    if (QUAD) __syncwarp();  // every lane's q fragments are read before Akk's rows take their place
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int bj = nt / 2, j = acc_col(nt * 8, 0);
       if (bj > warp) {
-        store2(sPst + acc_row(m0, 0) * LDP + j, 0.f, 0.f);
-        store2(sPst + acc_row(m0, 2) * LDP + j, 0.f, 0.f);
+        store2(p_at(acc_row(m0, 0), j), 0.f, 0.f);
+        store2(p_at(acc_row(m0, 2), j), 0.f, 0.f);
         continue;
       }
       const float gj0 = s_gam[j], gj1 = s_gam[j + 1];
@@ -1073,23 +1082,25 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
         const int i = acc_row(m0, e);
         float d0 = __expf(gi[e / 2] - gj0), d1 = __expf(gi[e / 2] - gj1);
         if (bj == warp) d0 = j <= i ? d0 : 0.f, d1 = j + 1 <= i ? d1 : 0.f;
-        store2(sPst + i * LDP + j, accP[nt][e] * d0, accP[nt][e + 1] * d1);  // staged, copied below
+        store2(p_at(i, j), accP[nt][e] * d0, accP[nt][e + 1] * d1);  // (staged: copied below)
         if (!online) continue;
         // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
         float x0 = s_beta[bwd ? j : i] * accA[nt][e] * d0;
         float x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
         if (bj == warp) {
           x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
-          sAd[warp * 272 + (i % 16) * 17 + j % 16] = x0;
-          sAd[warp * 272 + (i % 16) * 17 + j % 16 + 1] = x1;
+          sAdw[(i % 16) * LDD + j % 16] = x0;
+          sAdw[(i % 16) * LDD + j % 16 + 1] = x1;
         } else {
-          *reinterpret_cast<__half2*>(sAh + i * LDC + j) = __floats2half2_rn(x0, x1);
+          *reinterpret_cast<__half2*>(sAh + i * LDH + j) = __floats2half2_rn(x0, x1);
         }
       }
     }
-    __syncwarp();
-    if (bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
-    store_rows16(P, m0, C, sPst + m0 * LDP, LDP, C, ca.blocked);
+    if (!QUAD) {
+      __syncwarp();
+      if (bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
+      store_rows16(P, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
+    }
   }
   __syncthreads();
   if (diag || atk_nd) {  // the tiles out now: gamma's region (or the q tile) is the solve's scratch from here on
@@ -1103,13 +1114,13 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   // T[bi][bj] = -T[bi][bi] sum_{l=bj}^{bi-1} A[bi][l] T[l][bj].
   if (online) {
     if (lane < 16) {
-      const float* Ad = sAd + warp * 272;
+      const float* Ad = QUAD ? reinterpret_cast<const float*>(sQ + m0 * LDK + C) : sAd + warp * 272;
       float x[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         float s = i == lane ? 1.f : 0.f;
 #pragma unroll
-        for (int l = 0; l < i; ++l) s -= Ad[i * 17 + l] * x[l];
+        for (int l = 0; l < i; ++l) s -= Ad[i * LDD + l] * x[l];
         x[i] = s;
       }
 #pragma unroll
@@ -1123,7 +1134,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
         float acc[2][4] = {};
         for (int lb = bj; lb < bi; ++lb) {
           uint32_t fa[4], fb[4];
-          load_a(fa, sAh, LDC, bi * 16, lb * 16);
+          load_a(fa, sAh, LDH, bi * 16, lb * 16);
           load_b_t(fb, sTh, LDC, lb * 16, bj * 16);
           mma<__half>(acc[0], fa, fb);
           mma<__half>(acc[1], fa, fb + 2);
@@ -2174,13 +2185,14 @@ inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int
 /// DGPS_CUDA_TMA=0 keeps the warpgroup state pass's raw rows on cp.async (a testing and benchmarking knob).
 bool tma_allowed() { return !knob_off("DGPS_CUDA_TMA"); }
 
-/// The intra-chunk kernel's quad layout (four blocks per SM) applies: the forward of the Identity
-/// preconditioner with scalar or no decay, raw q and k rows and raw v rows (GDN, DeltaNet, Mamba-2, LA on
-/// the warpgroup pass). DGPS_CUDA_QUAD=0 keeps the standard layout (a benchmarking knob).
-bool intra_quad_runs(const ChunkArgs& c) {
+/// The intra-chunk kernel's quad layout (four blocks per SM) that applies, or 0: the forward with scalar
+/// or no decay, raw q and raw v rows (the warpgroup pass, blocked tiles) of the Identity preconditioner
+/// (raw k rows too: GDN, DeltaNet) or of DiagonalATK (PGDN, PDN). DGPS_CUDA_QUAD=0 keeps the standard
+/// layout (a benchmarking knob).
+int intra_quad(const ChunkArgs& c) {
   static const bool allowed = !knob_off("DGPS_CUDA_QUAD");
-  return allowed && c.a.precond == kPrecondIdentity && c.a.decay != kDecayDiagonal && c.raw_v && c.raw_q &&
-         c.raw_kw && !c.bwd && c.a.online;
+  if (!allowed || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd || !c.a.online) return 0;
+  return c.a.precond == kPrecondIdentity && c.raw_kw ? kQuadIdentity : c.a.precond == kPrecondATK ? kQuadATK : 0;
 }
 
 template <class Tin, class Op>
@@ -2206,10 +2218,14 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, true>, intra_lean_smem_bytes());
     if (set != cudaSuccess) return set;
     intra_kernel<Tin, Op, true><<<grid, kThreads, ismem, stream>>>(c);
-  } else if (intra_quad_runs(c)) {
-    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, true>, intra_quad_smem_bytes());
+  } else if (const int quad = intra_quad(c); quad == kQuadIdentity) {
+    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, kQuadIdentity>, intra_quad_smem_bytes(false));
     if (set != cudaSuccess) return set;
-    intra_kernel<Tin, Op, false, true><<<grid, kThreads, intra_quad_smem_bytes(), stream>>>(c);
+    intra_kernel<Tin, Op, false, kQuadIdentity><<<grid, kThreads, intra_quad_smem_bytes(false), stream>>>(c);
+  } else if (quad == kQuadATK) {
+    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, kQuadATK>, intra_quad_smem_bytes(true));
+    if (set != cudaSuccess) return set;
+    intra_kernel<Tin, Op, false, kQuadATK><<<grid, kThreads, intra_quad_smem_bytes(true), stream>>>(c);
   } else {
     static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
     if (set != cudaSuccess) return set;
