@@ -412,6 +412,7 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
 
 /// Per (sequence, key head), thread c: the statistics entering each chunk (from a0 or 0), and aT.
 __global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs ca) {
+  grid_dependents_launch();  // the intra-chunk kernel may be scheduled now (it waits for Ain)
   const RecArgs& a = ca.a;
   const int n = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
   int64_t first, count, len;
@@ -784,13 +785,16 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   // tile (kw's tile is out by then), Tm is formed in Tinv's place, and the kernel returns after Tm (no
   // v tile, no tiles out but gamma and kw).
   const bool atk_nd = atk && !diag, lean = LEAN;  // (LEAN is launched for diag && ca.raw_v only)
-  Op* sTm = diag || atk_nd || QUAD ? nullptr : sEnd;                                      // [C][LDC]
-  float* sAd = reinterpret_cast<float*>(diag || atk_nd || QUAD ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
-  __half* sAh = QUAD ? reinterpret_cast<__half*>(sQ) : reinterpret_cast<__half*>(sAd + 4 * 16 * 17);  // [C][LDH] Akk below the diagonal blocks
-  const int LDH = QUAD ? LDK : LDC, LDD = QUAD ? LDK / 2 : 17;  // sAh's row stride, the diagonal blocks' (floats)
+  const bool no_tm = diag || atk_nd || QUAD;  // (no Tm tile of its own)
+  Op* sTm = no_tm ? nullptr : sEnd;                                      // [C][LDC]
+  float* sAd = reinterpret_cast<float*>(no_tm ? sEnd : sEnd + C * LDC);  // [4][16][17] Akk's diagonal blocks
+  // [C][LDH] Akk below the diagonal blocks; LDH its row stride, LDD the diagonal blocks' (in floats)
+  __half* sAh = QUAD ? reinterpret_cast<__half*>(sQ) : reinterpret_cast<__half*>(sAd + 4 * 16 * 17);
+  const int LDH = QUAD ? LDK : LDC, LDD = QUAD ? LDK / 2 : 17;
   float* sGb = lean ? reinterpret_cast<float*>(sAh + C * LDC) : nullptr;  // [8][KP] lean: gamma's block rows
-  __half* sTh = lean ? reinterpret_cast<__half*>(sQ) : QUAD ? reinterpret_cast<__half*>(sK) : sAh + C * LDC;  // [C][LDC] Tinv (lower block triangle)
-  float* sG = lean || QUAD ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);  // [C][LDG] per-channel gamma (Diagonal decay)
+  // [C][LDC] Tinv (lower block triangle), then [C][LDG] the per-channel gamma (Diagonal decay)
+  __half* sTh = lean ? reinterpret_cast<__half*>(sQ) : QUAD ? reinterpret_cast<__half*>(sK) : sAh + C * LDC;
+  float* sG = lean || QUAD ? nullptr : reinterpret_cast<float*>(sTh + C * LDC);
   __half* sXh = lean || QUAD ? sTh + C * LDC
                 : diag ? reinterpret_cast<__half*>(sG) : atk_nd ? reinterpret_cast<__half*>(sQ) : sTh + C * LDC;
   Op* sV = QUAD ? nullptr : diag ? reinterpret_cast<Op*>(sG) : atk_nd ? sKWb : reinterpret_cast<Op*>(sAd);  // [C][LDV]
@@ -821,13 +825,17 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     for (int e = tid; e < L * lines; e += kThreads)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(v0 + (e / lines) * row_bytes + (e % lines) * 128));
   }
-  // Diagonal preconditioner: channel tid's statistics entering the chunk and the head's center, loaded
-  // now so that their latency overlaps the staging instead of stalling the statistics' scan below.
+  // Diagonal preconditioner: the head's center now, and channel tid's statistics entering the chunk
+  // (load_ain) once the q and k rows' loads are in flight, so that their latency overlaps the staging
+  // instead of stalling the statistics' scan below. The statistics come from precond_scan_kernel, of
+  // which this kernel is a programmatic dependent launch on Hopper: it waits for it only there.
   float A_in = 0.f, center = 0.f;
-  if (has_p && tid < a.K) {
-    A_in = ca.Ain[(gc * a.H + h) * KP + tid];
-    center = load_gate(a.center, h, a.gate_dtype);
-  }
+  if (has_p && tid < a.K) center = load_gate(a.center, h, a.gate_dtype);
+  auto load_ain = [&] {
+    if (!has_p) return;
+    grid_dependency_wait();
+    if (tid < a.K) A_in = ca.Ain[(gc * a.H + h) * KP + tid];
+  };
   // Gates of the chunk's tokens; rows past L: g = 0, beta = 0 (they write nothing).
   if (tid < C) {
     float g = 0.f, be = 0.f, gp = 1.f, bp = 0.f;  // gp holds exp(g_p)
@@ -883,11 +891,13 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
       RowLoads<Tin, KP> rq, rk;
       load_rows(rq, q0, a.sq[1], L, a.K);
       load_rows(rk, k0, a.sk[1], L, a.K);
+      load_ain();
       store_rows<Tin, Op, KP>(sQ, LDK, rq);
       store_rows<Tin, Op, KP>(sK, LDK, rk);
     } else {
       stage_rows<Tin, Op, KP>(sQ, LDK, q0, a.sq[1], L, a.K, ca.vec_qk);
       stage_rows<Tin, Op, KP>(sK, LDK, k0, a.sk[1], L, a.K, ca.vec_qk);
+      load_ain();
     }
   }
   __syncthreads();
@@ -2185,6 +2195,15 @@ inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int
 /// DGPS_CUDA_TMA=0 keeps the warpgroup state pass's raw rows on cp.async (a testing and benchmarking knob).
 bool tma_allowed() { return !knob_off("DGPS_CUDA_TMA"); }
 
+/// Launches an instance of the intra-chunk kernel with `bytes` of dynamic shared memory (its limit raised
+/// once per instance, to the largest layout's), as a programmatic dependent launch where `dependent`.
+template <auto Kernel>
+cudaError_t launch_intra(const ChunkArgs& c, dim3 grid, size_t bytes, cudaStream_t stream, bool dependent) {
+  static const cudaError_t set = allow_smem(Kernel, intra_smem_bytes(true, true));
+  if (set != cudaSuccess) return set;
+  return launch_ex(Kernel, grid, dim3(kThreads), bytes, stream, dependent, dim3(1, 1, 1), c);
+}
+
 /// The intra-chunk kernel's quad layout (four blocks per SM) that applies, or 0: the forward with scalar
 /// or no decay, raw q and raw v rows (the warpgroup pass, blocked tiles) of the Identity preconditioner
 /// (raw k rows too: GDN, DeltaNet) or of DiagonalATK (PGDN, PDN). DGPS_CUDA_QUAD=0 keeps the standard
@@ -2212,26 +2231,25 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   ChunkArgs c = ca;
   c.blocked = wg_pass;
   const bool diag = a.decay == kDecayDiagonal;
-  const size_t ismem = diag && ca.raw_v ? intra_lean_smem_bytes() : intra_smem_bytes(a.precond == kPrecondATK, diag);
   const dim3 grid(static_cast<unsigned>(ca.chunk_bound), a.HV);
-  if (diag && ca.raw_v) {
-    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, true>, intra_lean_smem_bytes());
-    if (set != cudaSuccess) return set;
-    intra_kernel<Tin, Op, true><<<grid, kThreads, ismem, stream>>>(c);
-  } else if (const int quad = intra_quad(c); quad == kQuadIdentity) {
-    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, kQuadIdentity>, intra_quad_smem_bytes(false));
-    if (set != cudaSuccess) return set;
-    intra_kernel<Tin, Op, false, kQuadIdentity><<<grid, kThreads, intra_quad_smem_bytes(false), stream>>>(c);
-  } else if (quad == kQuadATK) {
-    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op, false, kQuadATK>, intra_quad_smem_bytes(true));
-    if (set != cudaSuccess) return set;
-    intra_kernel<Tin, Op, false, kQuadATK><<<grid, kThreads, intra_quad_smem_bytes(true), stream>>>(c);
-  } else {
-    static const cudaError_t set = allow_smem(intra_kernel<Tin, Op>, intra_smem_bytes(true, true));
-    if (set != cudaSuccess) return set;
-    intra_kernel<Tin, Op><<<grid, kThreads, ismem, stream>>>(c);
-  }
-  const cudaError_t e = cudaGetLastError();
+  // After the statistics' scan, a programmatic dependent launch (Hopper): the blocks stage their q and k
+  // rows while the scan finishes.
+  const bool dependent = a.precond != kPrecondIdentity && programmatic_launch_supported();
+  const int quad = intra_quad(c);
+  constexpr auto quad_id = intra_kernel<Tin, Op, false, kQuadIdentity>;
+  constexpr auto quad_atk = intra_kernel<Tin, Op, false, kQuadATK>;
+  const size_t bytes = diag && ca.raw_v           ? intra_lean_smem_bytes()
+                       : quad                     ? intra_quad_smem_bytes(quad == kQuadATK)
+                                                  : intra_smem_bytes(a.precond == kPrecondATK, diag);
+  cudaError_t e;
+  if (diag && ca.raw_v)
+    e = launch_intra<intra_kernel<Tin, Op, true>>(c, grid, bytes, stream, dependent);
+  else if (quad == kQuadIdentity)
+    e = launch_intra<quad_id>(c, grid, bytes, stream, dependent);
+  else if (quad == kQuadATK)
+    e = launch_intra<quad_atk>(c, grid, bytes, stream, dependent);
+  else
+    e = launch_intra<intra_kernel<Tin, Op>>(c, grid, bytes, stream, dependent);
   if (e != cudaSuccess) return e;
   if (wg_pass) {
     // Raw q and k rows by tensor copies where their maps can be made (B = 0 for packed sequences, whose

@@ -42,6 +42,21 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+/// The two halves of grid_dependency_sync. grid_dependency_wait: in a programmatic dependent launch,
+/// waits until the previous kernel has finished and its writes are visible (no global read of what it
+/// writes before it). grid_dependents_launch: lets the next kernel, if launched as a programmatic
+/// dependent, be scheduled before this one finishes. No-ops elsewhere, as grid_dependency_sync.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 /// The thread block cluster barrier (sm_90a build), split: arrive (ordering this thread's earlier memory
 /// accesses before it) and wait (ordering its later ones after every thread of the cluster arrived).
 /// Every thread of every block of the cluster must call both, arrive first. No-ops in the sm_80 build.
