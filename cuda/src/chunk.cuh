@@ -11,7 +11,11 @@
 ///      Tm = (I + Akk)^{-1} Diag(beta) (16 x 16 diagonal blocks by float32 substitution, the blocks
 ///      below them merged on tensor cores with f16 operands), W = Tm (K ⊙ e^gamma), U = Tm V, the masked decayed
 ///      block P = (Q KW^T) ⊙ e^(gamma_i - gamma_j), and gamma; products on tensor cores (bf16 or f16
-///      operands, float32 accumulation).
+///      operands, float32 accumulation). Bound by the latency of its phases, so its shared-memory
+///      layouts are chosen for blocks per SM: the quad layout (forward, scalar or no decay, raw rows,
+///      Identity or DiagonalATK: four), the lean Diagonal-decay layout (three), the standard one (three,
+///      two with Diagonal decay without raw v rows). After the statistics' scan it is a programmatic
+///      dependent launch on Hopper.
 ///   5. `state_kernel`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
 ///      O = Diag(e^gamma) Q S + P R, S <- e^gamma_C S + KW^T Diag(e^(gamma_C - gamma)) R with the state
 ///      in float32 registers (its bf16 copy feeds the tensor cores); the decays scale accumulator rows.
