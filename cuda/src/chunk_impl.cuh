@@ -2209,8 +2209,7 @@ cudaError_t launch_intra(const ChunkArgs& c, dim3 grid, size_t bytes, cudaStream
 /// (raw k rows too: GDN, DeltaNet) or of DiagonalATK (PGDN, PDN). DGPS_CUDA_QUAD=0 keeps the standard
 /// layout (a benchmarking knob).
 int intra_quad(const ChunkArgs& c) {
-  static const bool allowed = !knob_off("DGPS_CUDA_QUAD");
-  if (!allowed || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd || !c.a.online) return 0;
+  if (knob_off("DGPS_CUDA_QUAD") || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd || !c.a.online) return 0;
   return c.a.precond == kPrecondIdentity && c.raw_kw ? kQuadIdentity : c.a.precond == kPrecondATK ? kQuadATK : 0;
 }
 

@@ -219,16 +219,19 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   // kernel's Qn / KWn tiles), and on Hopper's warpgroup state pass the raw rows by cp.async instead of
   // tensor copies (DGPS_CUDA_TMA=0; with them, a sequence's last, partial chunk still goes by cp.async)
   // and with W and U from the intra-chunk kernel instead of the residual from the raw v rows and Tm
-  // (DGPS_CUDA_RAW_V=0; raw v rows only with the delta rule's Online solve).
+  // (DGPS_CUDA_RAW_V=0; raw v rows only with the delta rule's Online solve), and with raw rows the
+  // intra-chunk kernel's standard layout where its quad layout applies (DGPS_CUDA_QUAD=0; GDN, PGDN).
   struct RawMode {
     const char* tag;
-    bool raw, tma, raw_v;
+    bool raw, tma, raw_v, quad = true;
   };
   for (const RawMode& r : {RawMode{"1", true, true, true}, RawMode{"0", false, true, true},
-                           RawMode{"1/cp", true, false, true}, RawMode{"1/w", true, true, false}}) {
+                           RawMode{"1/cp", true, false, true}, RawMode{"1/w", true, true, false},
+                           RawMode{"1/std", true, true, true, false}}) {
     setenv("DGPS_CUDA_RAW_QK", r.raw ? "1" : "0", 1);
     setenv("DGPS_CUDA_TMA", r.tma ? "1" : "0", 1);
     setenv("DGPS_CUDA_RAW_V", r.raw_v ? "1" : "0", 1);
+    setenv("DGPS_CUDA_QUAD", r.quad ? "1" : "0", 1);
     const std::string tag = std::string("chunk/raw") + r.tag + "/";
     for (const char* m : {"gdn", "pgdn", "pmamba2", "mamba2"}) {
       Case c = make_random(m, {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
@@ -247,6 +250,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   unsetenv("DGPS_CUDA_RAW_QK");
   unsetenv("DGPS_CUDA_TMA");
   unsetenv("DGPS_CUDA_RAW_V");
+  unsetenv("DGPS_CUDA_QUAD");
   // The state pass on Hopper's warpgroup products (sm_90a, the default there for 64- and 128-column
   // tiles) and on mma.sync (DGPS_CUDA_WGMMA=0; narrower tiles; every other GPU): each value-tile width
   // (128 columns with raw rows and with Diagonal decay, 64, 32, and 32 of a 64-wide V, 16), an Offline
