@@ -749,7 +749,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 /// own instantiation (the launch picks it for Diagonal decay with raw v rows), so that its registers
 /// do not change the other models' code. QUAD (kQuadIdentity, kQuadATK): the quad layout below (four
 /// blocks per SM), launched for the forward with scalar or no decay, raw q rows and raw v rows, of the
-/// Identity or the DiagonalATK preconditioner (intra_quad_runs).
+/// Identity or the DiagonalATK preconditioner (intra_quad).
 template <class Tin, class Op, bool LEAN = false, int QUAD = 0>
 __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const ChunkArgs ca) {
   static_assert(!(LEAN && QUAD), "one layout");
@@ -1020,6 +1020,8 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
 
   // Akk = beta_i (K KW^T)_ij e^(gamma_i - gamma_j) (j < i) and P = (Q KW^T)_ij e^(gamma_i - gamma_j) (j <= i).
   const int m0 = warp * 16;
+  // This warp's diagonal block of Akk (row stride LDD floats).
+  auto diag_block = [&] { return QUAD ? reinterpret_cast<float*>(sQ + m0 * LDK + C) : sAd + warp * 272; };
   if (diag && ca.bwd) {  // backward mode: the undecayed rows for the gradient kernel
     Op* Qu = static_cast<Op*>(ca.Qu) + tile;
     Op* Ku = static_cast<Op*>(ca.Ku) + tile;
@@ -1073,7 +1075,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     Op* P = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
     // QUAD: P's pairs straight to the workspace (blocked: an n-tile's 16 rows are 256 contiguous bytes).
     auto p_at = [&](int i, int j) { return QUAD ? P + blocked_at(i, j & ~7) + (j & 7) : sPst + i * LDC + j; };
-    float* sAdw = QUAD ? reinterpret_cast<float*>(sQ + m0 * LDK + C) : sAd + warp * 272;  // this warp's diagonal block
+    float* sAdw = diag_block();
     // This warp's rows lie in row block `warp`: the column blocks left of it need no mask, the diagonal
     // block does, the blocks right of it are zero (the branches on nt / 2 are uniform over the warp).
     const float gi[2] = {s_gam[acc_row(m0, 0)], s_gam[acc_row(m0, 2)]};
@@ -1124,7 +1126,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   // T[bi][bj] = -T[bi][bi] sum_{l=bj}^{bi-1} A[bi][l] T[l][bj].
   if (online) {
     if (lane < 16) {
-      const float* Ad = QUAD ? reinterpret_cast<const float*>(sQ + m0 * LDK + C) : sAd + warp * 272;
+      const float* Ad = diag_block();
       float x[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -2209,7 +2211,9 @@ cudaError_t launch_intra(const ChunkArgs& c, dim3 grid, size_t bytes, cudaStream
 /// (raw k rows too: GDN, DeltaNet) or of DiagonalATK (PGDN, PDN). DGPS_CUDA_QUAD=0 keeps the standard
 /// layout (a benchmarking knob).
 int intra_quad(const ChunkArgs& c) {
-  if (knob_off("DGPS_CUDA_QUAD") || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd || !c.a.online) return 0;
+  if (knob_off("DGPS_CUDA_QUAD") || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd ||
+      !c.a.online)
+    return 0;
   return c.a.precond == kPrecondIdentity && c.raw_kw ? kQuadIdentity : c.a.precond == kPrecondATK ? kQuadATK : 0;
 }
 
