@@ -31,21 +31,11 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
-/// In a kernel launched as a programmatic dependent (launch_ex): waits until the previous kernel in
-/// the stream has finished and its writes are visible, then lets the next one be scheduled.
-/// Elsewhere (an ordinary launch; a no-op in the sm_80 build) it returns at once. Call it before any
-/// global read.
-__device__ __forceinline__ void grid_dependency_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 /// The two halves of grid_dependency_sync. grid_dependency_wait: in a programmatic dependent launch,
 /// waits until the previous kernel has finished and its writes are visible (no global read of what it
 /// writes before it). grid_dependents_launch: lets the next kernel, if launched as a programmatic
-/// dependent, be scheduled before this one finishes. No-ops elsewhere, as grid_dependency_sync.
+/// dependent, be scheduled before this one finishes. Elsewhere (an ordinary launch; the sm_80 build)
+/// no-ops.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -55,6 +45,15 @@ __device__ __forceinline__ void grid_dependents_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+/// In a kernel launched as a programmatic dependent (launch_ex): waits until the previous kernel in
+/// the stream has finished and its writes are visible, then lets the next one be scheduled.
+/// Elsewhere (an ordinary launch; a no-op in the sm_80 build) it returns at once. Call it before any
+/// global read.
+__device__ __forceinline__ void grid_dependency_sync() {
+  grid_dependency_wait();
+  grid_dependents_launch();
 }
 
 /// The thread block cluster barrier (sm_90a build), split: arrive (ordering this thread's earlier memory
