@@ -5,7 +5,9 @@
 ///   1. `chunk_map_kernel` (varlen only): the chunk list of a packed batch (sequence, chunk) and each
 ///      sequence's first chunk.
 ///   2. `precond_sums_kernel` and 3. `precond_scan_kernel` (diagonal preconditioners only): the statistics
-///      A_t of SPEC §2 at every chunk start, as a chunked first-order scan (SPEC §4).
+///      A_t of SPEC §2 at every chunk start, as a chunked first-order scan (SPEC §4): each chunk's sums
+///      by a persistent kernel that copies the next chunk's k rows while it sums the current one, then
+///      the scan over each sequence's chunks (a programmatic dependent launch on Hopper).
 ///   4. `intra_kernel`: everything inside a chunk that does not depend on the state, in parallel over
 ///      (chunk, value head): normalised q, k, the write key kw or read query qr, the triangular solve
 ///      Tm = (I + Akk)^{-1} Diag(beta) (16 x 16 diagonal blocks by float32 substitution, the blocks

@@ -353,66 +353,156 @@ __device__ __forceinline__ void normalise_rows(Op* x, bool l2norm, float mul, fl
   }
 }
 
-/// Per (chunk, key head), thread c = key channel: the chunk's effect on the diagonal statistics,
-/// A_out = prod(a) A_in + sum_j prod_{l > j}(a_l) beta_p,j k_j[c]^2 (SPEC §4), as (prod, sum). The
-/// weights prod_{l > j}(a_l) beta_p,j / |k_j|^2 do not depend on the channel: warp 0 forms them once
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+/// cp_async16 that reads `bytes` (16 or 0) from src and zero-fills the rest of the 16 bytes.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/// Starts the asynchronous copy of `rows` rows of COLS 16-bit elements from global (row stride gld)
+/// to shared memory (row stride sld), 16 bytes per copy. NT > 0: the block's thread count, known at
+/// compile time (32: the calling warp alone, whichever it is); each thread then keeps one column and
+/// steps its row pointers (no index arithmetic per copy).
+template <int COLS, int NT = 0, class Op>
+__device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
+  constexpr int PR = COLS / 8;
+  static_assert(NT != 32 || NT % PR == 0, "one warp copies whole rows per pass");
+  if constexpr (NT > 0 && NT % PR == 0) {
+    constexpr int RS = NT / PR;                                         // rows per pass of the block
+    const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);  // NT = 32: one warp copies
+    const int r0 = t / PR, c8 = (t % PR) * 8;
+    const Op* s = src + r0 * gld + c8;
+    Op* d = dst + r0 * sld + c8;
+#pragma unroll 4
+    for (int r = r0; r < rows; r += RS, s += RS * gld, d += RS * sld) cp_async16(d, s);
+  } else {
+    for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
+      const int r = e / PR, c8 = (e % PR) * 8;
+      cp_async16(dst + r * sld + c8, src + r * gld + c8);
+    }
+  }
+}
+
+/// Starts the asynchronous copy of a chunk's C rows of 128 16-bit elements from global memory (row
+/// stride gld) to shared memory (row stride sld) with NT threads (32: the calling warp); rows from
+/// `valid` on are zero-filled and nothing is read for them (past a sequence's end, or the tensor's).
+template <int NT, class Op>
+__device__ __forceinline__ void copy_rows_zfill_async(Op* dst, int sld, const Op* src, int64_t gld, int valid) {
+  constexpr int PR = KP / 8, RS = NT / PR;
+  static_assert(NT % PR == 0, "whole rows per pass");
+  const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);
+  const int r0 = t / PR, c8 = (t % PR) * 8;
+#pragma unroll 4
+  for (int r = r0; r < C; r += RS) {
+    const bool ok = r < valid;
+    cp_async16_zfill(dst + r * sld + c8, src + (ok ? r : 0) * gld + c8, ok ? 16 : 0);
+  }
+}
+
+/// Per (chunk, key head) work item, thread c = key channel: the chunk's effect on the diagonal
+/// statistics, A_out = prod(a) A_in + sum_j prod_{l > j}(a_l) beta_p,j k_j[c]^2 (SPEC §4), as (prod, sum).
+/// The weights prod_{l > j}(a_l) beta_p,j / |k_j|^2 do not depend on the channel: warp 0 forms them once
 /// from the cumulative log decay (exponent differences, each at most 1), so each channel's sum is 64
 /// independent products (a first-order recurrence per channel took three times the instructions).
+/// Persistent: block b takes items b, b + gridDim.x, ... (precond_sums_blocks of them per SM) and copies
+/// the next item's k rows (cp.async, 16-bit rows of 128: the operand type itself) into its second
+/// buffer while it sums the current one, so that the loads never wait for the sums (one item per block,
+/// loads then sums in step over the whole grid, kept the memory 43% busy). Other inputs stage the next
+/// item's rows synchronously. On Hopper the statistics' scan is its programmatic dependent.
 template <class Tin, class Op>
 __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs ca) {
   const RecArgs& a = ca.a;
-  __shared__ __align__(16) Op sK[C * LDK];
+  __shared__ __align__(16) Op sK[2][C * LDK];
   __shared__ __align__(16) float s_w[C];
-  __shared__ float s_g[C], s_bp[C], s_rn[C], s_tot;
-  const int64_t gc = blockIdx.x;
-  const int h = blockIdx.y;
-  const ChunkPos p = chunk_pos(ca, gc);
-  if (p.n < 0) return;
+  __shared__ float s_g[2][C], s_bp[2][C], s_rn[C], s_tot;
+  grid_dependents_launch();  // the scan may be scheduled (it waits for this grid's sums)
+  constexpr bool kAsync = sizeof(Tin) == 2 && std::is_same_v<Tin, Op>;
+  const bool async = kAsync && ca.vec_qk && a.K == KP;
+  const int64_t items = ca.chunk_bound * a.H;
   const int tid = threadIdx.x, lane = tid & 31;
-  // The gates first (rows past L: g_p = 0, beta_p = 0; their k rows are zero too), so that their loads
-  // are in flight with the k rows' instead of waiting for them.
+  // Item w's chunk; starts its rows' copies into buffer b (rows past L zero) and loads its gates
+  // (thread r < L: row r; rows past L: g_p = 0, beta_p = 0) into registers.
+  auto fetch = [&](int64_t w, int b, float& gpv, float& bpv) {
+    const int64_t gc = w % ca.chunk_bound;
+    const int h = static_cast<int>(w / ca.chunk_bound);
+    const ChunkPos p = chunk_pos(ca, gc);
+    gpv = 0.f, bpv = 0.f;
+    if (p.n < 0) return p;
+    if (tid < p.L) {
+      const int64_t t = p.t0 + tid;
+      gpv = load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
+      bpv = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
+    }
+    const Tin* k = static_cast<const Tin*>(a.k) + p.b * a.sk[0] + p.t0 * a.sk[1] + h * a.sk[2];
+    if constexpr (kAsync) {
+      if (async) {
+        copy_rows_zfill_async<kThreads>(sK[b], LDK, k, a.sk[1], p.L);
+        return p;
+      }
+    }
+    stage_rows<Tin, Op, KP>(sK[b], LDK, k, a.sk[1], p.L, a.K, ca.vec_qk);
+    return p;
+  };
+  int64_t w = blockIdx.x;
   float gpv = 0.f, bpv = 0.f;
-  if (tid < p.L) {
-    const int64_t t = p.t0 + tid;
-    gpv = load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
-    bpv = load_gate(a.beta_p, p.b * a.sbp[0] + t * a.sbp[1] + h * a.sbp[2], a.gate_dtype);
-  }
-  const Tin* k = static_cast<const Tin*>(a.k) + p.b * a.sk[0] + p.t0 * a.sk[1] + h * a.sk[2];
-  stage_rows<Tin, Op, KP>(sK, LDK, k, a.sk[1], p.L, a.K, ca.vec_qk);
-  if (tid < C) s_g[tid] = gpv, s_bp[tid] = bpv;
-  __syncthreads();
-  normalise_rows<Op, false>(sK, a.l2norm, 1.f, s_rn, 1, C);  // the rows' inverse norms only
-  __syncthreads();
-  if (tid < 32) {  // G_j = sum_{l <= j} g_p,l (two rows per lane), then w_j = e^(G_C - G_j) beta_p,j / |k_j|^2
-    float g0 = s_g[2 * lane], g1 = s_g[2 * lane + 1];
-    warp_scan_pairs(g0, g1, lane);
-    const float tot = __shfl_sync(0xffffffffu, g1, 31);
+  ChunkPos p;
+  if (w < items) p = fetch(w, 0, gpv, bpv);
+  cp_commit();
+  for (int b = 0; w < items; w += gridDim.x, b ^= 1) {
+    if (tid < C) s_g[b][tid] = gpv, s_bp[b][tid] = bpv;
+    const ChunkPos cur = p;
+    const int64_t gc = w % ca.chunk_bound;
+    const int h = static_cast<int>(w / ca.chunk_bound);
+    if (w + gridDim.x < items) p = fetch(w + gridDim.x, b ^ 1, gpv, bpv);
+    cp_commit();
+    cp_wait<1>();  // this item's rows have landed (the next item's stay in flight)
+    __syncthreads();
+    if (cur.n >= 0) {  // (uniform over the block)
+      normalise_rows<Op, false>(sK[b], a.l2norm, 1.f, s_rn, 1, C);  // the rows' inverse norms only
+      __syncthreads();
+      if (tid < 32) {  // G_j = sum_{l <= j} g_p,l (two rows per lane), then w_j = e^(G_C - G_j) beta_p,j / |k_j|^2
+        float g0 = s_g[b][2 * lane], g1 = s_g[b][2 * lane + 1];
+        warp_scan_pairs(g0, g1, lane);
+        const float tot = __shfl_sync(0xffffffffu, g1, 31);
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int j = 2 * lane + u;
-      s_w[j] = expf(tot - (u ? g1 : g0)) * s_bp[j] * s_rn[j] * s_rn[j];
+        for (int u = 0; u < 2; ++u) {
+          const int j = 2 * lane + u;
+          s_w[j] = expf(tot - (u ? g1 : g0)) * s_bp[b][j] * s_rn[j] * s_rn[j];
+        }
+        if (lane == 0) s_tot = tot;
+      }
+      __syncthreads();
+      const Op* kb = sK[b];
+      const int c = tid;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < C; r += 4) {
+        const float4 wv = *reinterpret_cast<const float4*>(s_w + r);
+        const float w4[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float x = to_float(kb[(r + u) * LDK + c]);
+          acc[u] = fmaf(w4[u] * x, x, acc[u]);
+        }
+      }
+      ca.sums[(gc * a.H + h) * KP + c] = make_float2(expf(s_tot), (acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
-    if (lane == 0) s_tot = tot;
+    __syncthreads();  // buffer b, s_w and s_tot are free for the item after next
   }
-  __syncthreads();
-  const int c = tid;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int r = 0; r < C; r += 4) {
-    const float4 w = *reinterpret_cast<const float4*>(s_w + r);
-    const float w4[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float x = to_float(sK[(r + u) * LDK + c]);
-      acc[u] = fmaf(w4[u] * x, x, acc[u]);
-    }
-  }
-  ca.sums[(gc * a.H + h) * KP + c] = make_float2(expf(s_tot), (acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
 /// Per (sequence, key head), thread c: the statistics entering each chunk (from a0 or 0), and aT.
 __global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs ca) {
-  grid_dependents_launch();  // the intra-chunk kernel may be scheduled now (it waits for Ain)
+  // The sums first (on Hopper this is their programmatic dependent), then the intra-chunk kernel may be
+  // scheduled (it waits for Ain).
+  grid_dependency_sync();
   const RecArgs& a = ca.a;
   const int n = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
   int64_t first, count, len;
@@ -533,9 +623,13 @@ struct GateRows {
 /// Row of the lean layout's gamma (`Gb` [8][KP]) that holds chunk row r, r % 16 in {0, 15}.
 __device__ __forceinline__ int gamma_block_row(int r) { return r / 16 * 2 + (r % 16 != 0); }
 
-/// Row r's per-channel gamma: G's row, or in the lean layout (Gb non-null) its copy there, r % 16 in {0, 15}.
+/// Row r's per-channel gamma: G's row, or in the lean layout (LEAN) its copy in Gb, r % 16 in {0, 15}.
+/// (The layout is a compile-time choice: testing a shared pointer for null at run time made every
+/// read of it a generic load.)
+template <bool LEAN>
 __device__ __forceinline__ const float* gamma_row(const float* G, const float* Gb, int r) {
-  return Gb ? Gb + gamma_block_row(r) * KP : G + r * LDG;
+  if constexpr (LEAN) return Gb + gamma_block_row(r) * KP;
+  return G + r * LDG;
 }
 
 /// The outer factors of one row's N (4 or 8) channels at element offset `at` of the key tiles (packed
@@ -577,19 +671,19 @@ __device__ __forceinline__ void scale_outer(Op* sK, Op* sQ, const Op* sKW, Op* s
 /// (lanes: 4 row groups x 8 channel groups of 16 channels). Writes P's rows to `sPst` (staging,
 /// [C][LDC]), Akk's diagonal block to sAd and the blocks left of it to sAh, zeros above the diagonal.
 /// Leaves the block's K, Q rows scaled as above (the caller rescales them by e^gamma_16a). Contains a
-/// __syncthreads: every thread of the block calls it. Lean layout (`Gb` non-null, see GateRows): gamma's
+/// __syncthreads: every thread of the block calls it. Lean layout (LEAN, `Gb`, see GateRows): gamma's
 /// rows between the blocks' first and last come from `gr`, and P goes straight from the accumulators to
 /// the workspace tile `Pg` (blocked layout) instead of `sPst`.
-template <class Op>
+template <class Op, bool LEAN>
 __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, Op* sKWh, const float* G,
                                                  const float* s_beta, bool online, bool bwd, int m0, Op* sPst,
                                                  float* sAd, __half* sAh, const float* Gb, const GateRows& gr,
                                                  Op* Pg) {
   const int lane = threadIdx.x & 31, w = m0 / 16;
-  const bool lean = Gb != nullptr;
+  constexpr bool lean = LEAN;
   auto p_at = [&](int i, int j) { return lean ? Pg + blocked_at(i, j & ~7) + (j & 7) : sPst + i * LDC + j; };
-  const float* gA = gamma_row(G, Gb, m0);  // gamma_16a
-  const float* gZ = gamma_row(G, Gb, m0 + 15);  // gamma_16a+15
+  const float* gA = gamma_row<LEAN>(G, Gb, m0);  // gamma_16a
+  const float* gZ = gamma_row<LEAN>(G, Gb, m0 + 15);  // gamma_16a+15
   float spread = 0.f;
 #pragma unroll
   for (int u = 0; u < 4; ++u) spread = fmaxf(spread, gA[4 * lane + u] - gZ[4 * lane + u]);
@@ -653,19 +747,29 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
   // The outer factors into this block's rows: lane l scales channels 8 (l % 16) .. + 7 of rows
   // m0 + l / 16, + 2, ... (packed multiplies). Lean layout: lane l scales channels 4 l .. + 3 of every
   // row of the block in order, summing gamma from row m0's as it goes.
+  // The gates of the block's 15 later rows are all loaded before the first is added (one memory round
+  // trip instead of one per few rows: they come from L2, and the warp has nothing else to do meanwhile).
   auto lean_outer = [&](auto type) {  // the gate's element type chosen once, as in the scan
     using GT = decltype(type);
     const GT* gp = static_cast<const GT*>(gr.g);
     const int c4 = 4 * lane;
+    GT d[15][4];
+#pragma unroll
+    for (int u = 0; u < 15; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = m0 + 1 + u;
+        d[u][j] = r < gr.L && c4 + j < gr.K ? gp[r * gr.rs + c4 + j] : GT(0.f);
+      }
     float ga[4], gz[4], g[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) ga[j] = gA[c4 + j], gz[j] = gZ[c4 + j], g[j] = ga[j];
-#pragma unroll 4
-    for (int r = m0; r < m0 + 16; ++r) {
-      if (r > m0)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) g[j] += r < gr.L && c4 + j < gr.K ? to_float(gp[r * gr.rs + c4 + j]) : 0.f;
-      scale_outer<Op, 4>(sK, sQ, sKW, sKWh, r * LDK + c4, g, ga, gz);
+    for (int u = 0; u < 16; ++u) {
+      if (u > 0)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[j] += to_float(d[u - 1][j]);
+      scale_outer<Op, 4>(sK, sQ, sKW, sKWh, (m0 + u) * LDK + c4, g, ga, gz);
     }
   };
   if (lean) {
@@ -700,7 +804,7 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       if (b >= nb) break;
-      const float* gB = gamma_row(G, Gb, 16 * b + 15);  // gamma_16b+15
+      const float* gB = gamma_row<LEAN>(G, Gb, 16 * b + 15);  // gamma_16b+15
       const uint32_t f0 = pack2<Op>(__expf(gA[c0] - gB[c0]), __expf(gA[c0 + 1] - gB[c0 + 1]));
       const uint32_t f1 = pack2<Op>(__expf(gA[c0 + 8] - gB[c0 + 8]), __expf(gA[c0 + 9] - gB[c0 + 9]));
       // A fragment registers 0, 1 hold columns c0, c0 + 1; registers 2, 3 columns c0 + 8, c0 + 9.
@@ -745,7 +849,8 @@ __device__ __forceinline__ void diag_decay_akk_p(Op* sQ, Op* sK, const Op* sKW, 
 }
 
 /// Per (chunk, value head): the state-independent part of SPEC §4 (see chunk.cuh). 4 warps; warp w
-/// owns rows 16w .. 16w + 15 of every C-row product. LEAN: the lean Diagonal-decay layout below, its
+/// owns rows 16w .. 16w + 15 of every C-row product (but Akk and P with scalar or no decay: their lower
+/// block triangle balanced over the warps). LEAN: the lean Diagonal-decay layout below, its
 /// own instantiation (the launch picks it for Diagonal decay with raw v rows), so that its registers
 /// do not change the other models' code. QUAD (kQuadIdentity, kQuadATK): the quad layout below (four
 /// blocks per SM), launched for the forward with scalar or no decay, raw q rows and raw v rows, of the
@@ -955,42 +1060,48 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   auto tiles_out = [&] {
     Op* Qn = static_cast<Op*>(ca.Qn) + tile;
     Op* KWn = static_cast<Op*>(ca.KWn) + tile;
-    float fea[8], fez[8];  // Diagonal decay: e^gamma_16a and e^(gamma_C - gamma_16a+15) of this thread's channels
     static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
+    if (diag) {
+      // Thread tid keeps channels c8 = 8 (tid % 16) .. + 7 and rows tid / 16 + 8 h of every 16-row
+      // block: the block's factors e^gamma_16a and e^(gamma_C - gamma_16a+15) once, then its two rows
+      // together (their loads in flight at once, their stores from different registers).
+      const int c8 = (tid % 16) * 8;
+#pragma unroll 1
+      for (int a16 = 0; a16 < C; a16 += 16) {
+        float fea[8], fez[8];
 #pragma unroll
-    for (int e = tid; e < (QUAD == kQuadIdentity ? 0 : C * KP / 8); e += kThreads) {  // (raw rows: no tiles)
-      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
-      if (diag) {
-        // Thread tid always has channels c8 = 8 (tid % 16) ..; rows tid / 16 + 8 it lie in block it / 2.
-        const int a16 = r / 16 * 16;
-        if (e < kThreads || r % 16 < 8) {  // first row of this thread in block a16 / 16: its factors
+        for (int j = 0; j < 8; ++j) {
+          fea[j] = __expf(gamma_row<LEAN>(sG, sGb, a16)[c8 + j]);
+          fez[j] = __expf(gamma_row<LEAN>(sG, sGb, C - 1)[c8 + j] - gamma_row<LEAN>(sG, sGb, a16 + 15)[c8 + j]);
+        }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float g0 = gamma_row(sG, sGb, a16)[c8 + j];
-            fea[j] = __expf(g0),
-            fez[j] = __expf(gamma_row(sG, sGb, C - 1)[c8 + j] - gamma_row(sG, sGb, a16 + 15)[c8 + j]);
+        for (int h = 0; h < 2; ++h) {
+          const int r = a16 + tid / 16 + 8 * h, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
+          uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
+          uint4 xw = *reinterpret_cast<const uint4*>(sKWb + r * LDK + c8);
+          uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
+          uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
+          uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
+          uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
+#pragma unroll
+          for (int j = 0; j < 8; j += 2) {
+            const uint32_t fa = pack2<Op>(fea[j], fea[j + 1]), fz = pack2<Op>(fez[j], fez[j + 1]);
+            pq[j / 2] = mul2<Op>(pq[j / 2], fa);
+            pk[j / 2] = mul2<Op>(pk[j / 2], fa);
+            pw[j / 2] = mul2<Op>(pw[j / 2], fz);
           }
+          *reinterpret_cast<uint4*>(Qn + at) = xq;
+          *reinterpret_cast<uint4*>(KWn + at) = xw;
+          *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
+          if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
+          if (ca.raw_v)  // K ⊙ e^gamma in W's place
+            *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + at) = xk;
         }
-        uint4 xq = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-        uint4 xw = *reinterpret_cast<const uint4*>(sKWb + r * LDK + c8);
-        uint4 xk = *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
-        uint32_t* pq = reinterpret_cast<uint32_t*>(&xq);
-        uint32_t* pw = reinterpret_cast<uint32_t*>(&xw);
-        uint32_t* pk = reinterpret_cast<uint32_t*>(&xk);
-#pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-          const uint32_t fa = pack2<Op>(fea[j], fea[j + 1]), fz = pack2<Op>(fez[j], fez[j + 1]);
-          pq[j / 2] = mul2<Op>(pq[j / 2], fa);
-          pk[j / 2] = mul2<Op>(pk[j / 2], fa);
-          pw[j / 2] = mul2<Op>(pw[j / 2], fz);
-        }
-        *reinterpret_cast<uint4*>(Qn + at) = xq;
-        *reinterpret_cast<uint4*>(KWn + at) = xw;
-        *reinterpret_cast<uint4*>(sK + r * LDK + c8) = xk;
-        if (ca.bwd) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) = xk;
-        if (ca.raw_v) *reinterpret_cast<uint4*>(static_cast<Op*>(ca.W) + tile + at) = xk;  // K ⊙ e^gamma in W's place
-        continue;
       }
+    }
+#pragma unroll
+    for (int e = tid; e < (diag || QUAD == kQuadIdentity ? 0 : C * KP / 8); e += kThreads) {  // (raw rows: none)
+      const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
       if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + at) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
       if (!ca.raw_kw) *reinterpret_cast<uint4*>(KWn + at) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
       if (bwd)  // the read keys
@@ -999,7 +1110,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     }
     if (tid < C) ca.gam[(gc * a.HV + hv) * C + tid] = s_gam[tid];
     if (diag) {
-      ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(gamma_row(sG, sGb, C - 1)[tid]);
+      ca.egC[(gc * a.HV + hv) * KP + tid] = __expf(gamma_row<LEAN>(sG, sGb, C - 1)[tid]);
       return;
     }
     // No W: the state pass scales its own raw k rows (chunk_workspace allocates W by the same test).
@@ -1042,74 +1153,93 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
       gr.rs = a.sg[1], gr.dtype = a.gate_dtype, gr.L = L, gr.K = a.K;
     }
     Op* Pg = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
-    diag_decay_akk_p<Op>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh, sGb, gr, Pg);
+    diag_decay_akk_p<Op, LEAN>(sQ, sK, sKW, sKWb, sG, s_beta, a.online, ca.bwd, m0, sPst, sAd, sAh, sGb, gr, Pg);
     if (!lean) {  // (lean: P went straight to the workspace)
       __syncwarp();
       if (ca.bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
       store_rows16(Pg, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
     }
   } else {
-    float accA[8][4], accP[8][4];
+    // The lower block triangle's ten 16 x 16 blocks, balanced over the warps (row block w alone would
+    // give warp w w + 1 of them, and warp 3 four): block slot bs (< nbs) of warp w is block (row_of(bs),
+    // col_of(bs)): warp 0 (0, 0), (3, 0), (3, 1); warp 1 (1, 0), (1, 1); warp 2 (2, 0), (2, 1), (2, 2);
+    // warp 3 (3, 2), (3, 3). Each warp keeps its own diagonal block and writes the zeros right of it.
+    const int nbs = warp == 0 || warp == 2 ? 3 : 2;
+    auto row_of = [&](int bs) { return warp == 0 && bs > 0 ? 3 : warp; };
+    auto col_of = [&](int bs) { return warp == 3 ? bs + 2 : warp == 0 ? (bs > 0 ? bs - 1 : 0) : bs; };
+    float accA[6][4], accP[6][4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < 6; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accA[i][e] = accP[i][e] = 0.f;
 #pragma unroll
     for (int k0 = 0; k0 < KP; k0 += 16) {
-      uint32_t fk[4], fq[4];
+      uint32_t fk[4], fq[4], fk3[4], fq3[4];  // this warp's row block's fragments; warp 0: also row block 3's
       load_a(fk, sK, LDK, m0, k0);
       load_a(fq, sQ, LDK, m0, k0);
+      if (warp == 0) {
+        load_a(fk3, sK, LDK, 48, k0);
+        load_a(fq3, sQ, LDK, 48, k0);
+      }
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        if (nt * 8 > m0 + 15) break;  // above the diagonal: masked anyway
-        uint32_t fb[4];
-        load_b(fb, sKW, LDK, nt * 8, k0);
+      for (int bs = 0; bs < 3; ++bs) {
+        if (bs >= nbs) break;
+        const bool r3 = warp == 0 && bs > 0;
+        uint32_t ak[4], aq[4], fb[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) ak[u] = r3 ? fk3[u] : fk[u], aq[u] = r3 ? fq3[u] : fq[u];
+        load_b(fb, sKW, LDK, 16 * col_of(bs), k0);
         if (online) {
-          mma<Op>(accA[nt], fk, fb);
-          mma<Op>(accA[nt + 1], fk, fb + 2);
+          mma<Op>(accA[2 * bs], ak, fb);
+          mma<Op>(accA[2 * bs + 1], ak, fb + 2);
         }
-        mma<Op>(accP[nt], fq, fb);
-        mma<Op>(accP[nt + 1], fq, fb + 2);
+        mma<Op>(accP[2 * bs], aq, fb);
+        mma<Op>(accP[2 * bs + 1], aq, fb + 2);
       }
     }
     Op* P = static_cast<Op*>(ca.P) + (gc * a.HV + hv) * C * C;
     // QUAD: P's pairs straight to the workspace (blocked: an n-tile's 16 rows are 256 contiguous bytes).
     auto p_at = [&](int i, int j) { return QUAD ? P + blocked_at(i, j & ~7) + (j & 7) : sPst + i * LDC + j; };
-    float* sAdw = diag_block();
-    // This warp's rows lie in row block `warp`: the column blocks left of it need no mask, the diagonal
-    // block does, the blocks right of it are zero (the branches on nt / 2 are uniform over the warp).
-    const float gi[2] = {s_gam[acc_row(m0, 0)], s_gam[acc_row(m0, 2)]};
-    if (QUAD) __syncwarp();  // every lane's q fragments are read before Akk's rows take their place
+    // QUAD: every warp's q fragments are read (row block 3's by warps 0 and 3) before Akk's rows take their place.
+    if (QUAD) __syncthreads();
+    for (int nt = 2 * warp + 2; nt < 8; ++nt) {  // P's blocks right of this warp's diagonal block are zero
+      const int j = acc_col(nt * 8, 0);
+      store2(p_at(acc_row(m0, 0), j), 0.f, 0.f);
+      store2(p_at(acc_row(m0, 2), j), 0.f, 0.f);
+    }
+    // The blocks left of the diagonal need no mask, the diagonal block (col_of = row_of) does.
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int bj = nt / 2, j = acc_col(nt * 8, 0);
-      if (bj > warp) {
-        store2(p_at(acc_row(m0, 0), j), 0.f, 0.f);
-        store2(p_at(acc_row(m0, 2), j), 0.f, 0.f);
-        continue;
-      }
-      const float gj0 = s_gam[j], gj1 = s_gam[j + 1];
+    for (int bs = 0; bs < 3; ++bs) {
+      if (bs >= nbs) break;
+      const int ra = row_of(bs), bj = col_of(bs), r0 = 16 * ra;
+      const float gi[2] = {s_gam[acc_row(r0, 0)], s_gam[acc_row(r0, 2)]};
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = acc_row(m0, e);
-        float d0 = __expf(gi[e / 2] - gj0), d1 = __expf(gi[e / 2] - gj1);
-        if (bj == warp) d0 = j <= i ? d0 : 0.f, d1 = j + 1 <= i ? d1 : 0.f;
-        store2(p_at(i, j), accP[nt][e] * d0, accP[nt][e + 1] * d1);  // (staged: copied below)
-        if (!online) continue;
-        // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
-        float x0 = s_beta[bwd ? j : i] * accA[nt][e] * d0;
-        float x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
-        if (bj == warp) {
-          x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
-          sAdw[(i % 16) * LDD + j % 16] = x0;
-          sAdw[(i % 16) * LDD + j % 16 + 1] = x1;
-        } else {
-          *reinterpret_cast<__half2*>(sAh + i * LDH + j) = __floats2half2_rn(x0, x1);
+      for (int t = 0; t < 2; ++t) {
+        const int nt = 2 * bs + t, j = acc_col(16 * bj + 8 * t, 0);
+        const float gj0 = s_gam[j], gj1 = s_gam[j + 1];
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int i = acc_row(r0, e);
+          float d0 = __expf(gi[e / 2] - gj0), d1 = __expf(gi[e / 2] - gj1);
+          if (bj == ra) d0 = j <= i ? d0 : 0.f, d1 = j + 1 <= i ? d1 : 0.f;
+          store2(p_at(i, j), accP[nt][e] * d0, accP[nt][e + 1] * d1);  // (staged: copied below)
+          if (!online) continue;
+          // Diag(beta) Bm, or Bm Diag(beta) in backward mode (T2)
+          float x0 = s_beta[bwd ? j : i] * accA[nt][e] * d0;
+          float x1 = s_beta[bwd ? j + 1 : i] * accA[nt][e + 1] * d1;
+          if (bj == ra) {  // (this warp's own diagonal block)
+            float* sAdw = diag_block();
+            x0 = j < i ? x0 : 0.f, x1 = j + 1 < i ? x1 : 0.f;
+            sAdw[(i % 16) * LDD + j % 16] = x0;
+            sAdw[(i % 16) * LDD + j % 16 + 1] = x1;
+          } else {
+            *reinterpret_cast<__half2*>(sAh + i * LDH + j) = __floats2half2_rn(x0, x1);
+          }
         }
       }
     }
-    if (!QUAD) {
-      __syncwarp();
+    if (!QUAD) {  // the staged rows of P out (row block 3's came from two warps)
+      __syncthreads();
       if (bwd) times_beta_cols(sPst + m0 * LDC, s_beta);
       store_rows16(P, m0, C, sPst + m0 * LDC, LDC, C, ca.blocked);
     }
@@ -1224,59 +1354,6 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   if (a.online) {
     __syncwarp();
     tm_times<Op>(fa, sK, LDK, KP, stage, static_cast<Op*>(ca.W) + tile, m0, KP, ca.blocked);
-  }
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-/// cp_async16 that reads `bytes` (16 or 0) from src and zero-fills the rest of the 16 bytes.
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/// Starts the asynchronous copy of `rows` rows of COLS 16-bit elements from global (row stride gld)
-/// to shared memory (row stride sld), 16 bytes per copy. NT > 0: the block's thread count, known at
-/// compile time (32: the calling warp alone, whichever it is); each thread then keeps one column and
-/// steps its row pointers (no index arithmetic per copy).
-template <int COLS, int NT = 0, class Op>
-__device__ __forceinline__ void copy_tile_async(Op* dst, int sld, const Op* src, int64_t gld, int rows) {
-  constexpr int PR = COLS / 8;
-  static_assert(NT != 32 || NT % PR == 0, "one warp copies whole rows per pass");
-  if constexpr (NT > 0 && NT % PR == 0) {
-    constexpr int RS = NT / PR;                                         // rows per pass of the block
-    const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);  // NT = 32: one warp copies
-    const int r0 = t / PR, c8 = (t % PR) * 8;
-    const Op* s = src + r0 * gld + c8;
-    Op* d = dst + r0 * sld + c8;
-#pragma unroll 4
-    for (int r = r0; r < rows; r += RS, s += RS * gld, d += RS * sld) cp_async16(d, s);
-  } else {
-    for (int e = threadIdx.x; e < rows * PR; e += blockDim.x) {
-      const int r = e / PR, c8 = (e % PR) * 8;
-      cp_async16(dst + r * sld + c8, src + r * gld + c8);
-    }
-  }
-}
-
-/// Starts the asynchronous copy of a chunk's C rows of 128 16-bit elements from global memory (row
-/// stride gld) to shared memory (row stride sld) with NT threads (32: the calling warp); rows from
-/// `valid` on are zero-filled and nothing is read for them (past a sequence's end, or the tensor's).
-template <int NT, class Op>
-__device__ __forceinline__ void copy_rows_zfill_async(Op* dst, int sld, const Op* src, int64_t gld, int valid) {
-  constexpr int PR = KP / 8, RS = NT / PR;
-  static_assert(NT % PR == 0, "whole rows per pass");
-  const int t = NT == 32 ? int(threadIdx.x & 31) : int(threadIdx.x);
-  const int r0 = t / PR, c8 = (t % PR) * 8;
-#pragma unroll 4
-  for (int r = r0; r < C; r += RS) {
-    const bool ok = r < valid;
-    cp_async16_zfill(dst + r * sld + c8, src + (ok ? r : 0) * gld + c8, ok ? 16 : 0);
   }
 }
 
@@ -2217,14 +2294,28 @@ int intra_quad(const ChunkArgs& c) {
   return c.a.precond == kPrecondIdentity && c.raw_kw ? kQuadIdentity : c.a.precond == kPrecondATK ? kQuadATK : 0;
 }
 
+/// Blocks of the persistent precond_sums_kernel instance `kernel`: as many as fit on the device at
+/// once (six per SM on Hopper: its two 16 KB buffers).
+int precond_sums_blocks(const void* kernel) {
+  int sms = 132, dev = 0, per = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess) per = 1;
+  return sms * std::max(per, 1);
+}
+
 template <class Tin, class Op>
 cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
   const RecArgs& a = ca.a;
   if (ca.chunk_bound == 0) return cudaSuccess;
   if (a.cu_seqlens) chunk_map_kernel<<<1, 256, 0, stream>>>(ca);
   if (a.precond != kPrecondIdentity) {
-    precond_sums_kernel<Tin, Op><<<dim3(static_cast<unsigned>(ca.chunk_bound), a.H), kThreads, 0, stream>>>(ca);
-    precond_scan_kernel<<<dim3(a.N, a.H), kThreads, 0, stream>>>(ca);
+    const int64_t items = ca.chunk_bound * a.H;
+    constexpr auto sums = precond_sums_kernel<Tin, Op>;
+    sums<<<static_cast<unsigned>(std::min<int64_t>(items, precond_sums_blocks(reinterpret_cast<const void*>(sums)))),
+           kThreads, 0, stream>>>(ca);
+    const cudaError_t e = launch_ex(precond_scan_kernel, dim3(a.N, a.H), dim3(kThreads), 0, stream,
+                                    programmatic_launch_supported(), dim3(1, 1, 1), ca);
+    if (e != cudaSuccess) return e;
   }
   // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
   // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall). The intra-chunk
