@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -2295,8 +2296,11 @@ int intra_quad(const ChunkArgs& c) {
 }
 
 /// Blocks of the persistent precond_sums_kernel instance `kernel`: as many as fit on the device at
-/// once (six per SM on Hopper: its two 16 KB buffers).
+/// once (six per SM on Hopper: its two 16 KB buffers). DGPS_CUDA_SUMS_BLOCKS=n (n > 0) forces n blocks,
+/// so that small problems also give every block several chunks in turn (a testing knob, read per call).
 int precond_sums_blocks(const void* kernel) {
+  if (const char* forced = std::getenv("DGPS_CUDA_SUMS_BLOCKS"); forced && std::atoi(forced) > 0)
+    return std::atoi(forced);
   int sms = 132, dev = 0, per = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess) per = 1;

@@ -526,6 +526,41 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
   }
 }
 
+/// The statistics' sums kernel is persistent (block b takes the (chunk, key head) items b, b + grid, ...,
+/// the next item's k rows in flight while it sums the current one). With DGPS_CUDA_SUMS_BLOCKS=3 every
+/// block takes many items in turn, among them a packed batch's chunks past its sequences' ends: the
+/// cp.async path (16-bit rows of 128: PGDN on packed sequences with an empty and a one-token one, PKDA),
+/// and the synchronous one (float32 inputs; K = 64: P-Mamba-2); then, without the knob, a problem with
+/// more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items, 792 blocks on an H200).
+void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
+  const dgps::Algorithm alg = g_alg;
+  g_alg = dgps::Algorithm::chunkwise;
+  uint64_t seed = 7100;
+  setenv("DGPS_CUDA_SUMS_BLOCKS", "3", 1);
+  Case pg = make_random("pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+                        {0, 1, 70, 70, 200, 300}, seed++);
+  compare("chunk/sums3/pgdn/varlen_K128", pg, DType::bf16, DType::bf16, ws, nullptr);
+  Case pk = make_random("pkda", {.batch = 2, .time = 500, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128},
+                        {}, seed++);
+  compare("chunk/sums3/pkda/B2T500", pk, DType::bf16, DType::f32, ws, nullptr);
+  if (!quick) {
+    compare("chunk/sums3/pgdn/varlen_K128", pg, DType::f32, DType::f32, ws, nullptr);
+    Case pm = make_random("pmamba2",
+                          {.batch = 2, .time = 260, .heads = 4, .v_heads = 4, .key_dim = 64, .value_dim = 64}, {},
+                          seed++);
+    pm.opt.l2norm_qk = false, pm.opt.scale = 0.03;
+    for (DType d : {DType::bf16, DType::f32}) compare("chunk/sums3/pmamba2/K64", pm, d, DType::f32, ws, nullptr);
+  }
+  unsetenv("DGPS_CUDA_SUMS_BLOCKS");
+  if (!quick) {
+    Case big = make_random("pgdn",
+                           {.batch = 1, .time = 8192, .heads = 8, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {},
+                           seed++);
+    compare("chunk/sums/pgdn/B1T8192H8", big, DType::bf16, DType::bf16, ws, nullptr);
+  }
+  g_alg = alg;
+}
+
 /// The chunkwise forward of a model with a diagonal preconditioner on packed sequences of 40, 0 and 64
 /// chunks (the statistics' chunk scan over more than one batch of 32 loads, an empty sequence's aT):
 /// two eager calls, then three replays of a CUDA graph captured on another stream, all giving the
@@ -617,6 +652,7 @@ int main(int argc, char** argv) {
     conformance(ws);
     random_cases(ws, quick);
     chunkwise_cases(ws, quick);
+    sums_cases(ws, quick);
     for (const char* m : {"pgdn", "pkda"}) {
       chunk_graph_case(m, 4242, ws);
       if (quick) break;
