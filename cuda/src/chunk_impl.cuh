@@ -412,7 +412,7 @@ __device__ __forceinline__ void copy_rows_zfill_async(Op* dst, int sld, const Op
 /// The weights prod_{l > j}(a_l) beta_p,j / |k_j|^2 do not depend on the channel: warp 0 forms them once
 /// from the cumulative log decay (exponent differences, each at most 1), so each channel's sum is 64
 /// independent products (a first-order recurrence per channel took three times the instructions).
-/// Persistent: block b takes items b, b + gridDim.x, ... (precond_sums_blocks of them per SM) and copies
+/// Persistent: block b takes items b, b + gridDim.x, ... (as many blocks as fit: precond_sums_blocks) and copies
 /// the next item's k rows (cp.async, 16-bit rows of 128: the operand type itself) into its second
 /// buffer while it sums the current one, so that the loads never wait for the sums (one item per block,
 /// loads then sums in step over the whole grid, kept the memory 43% busy). Other inputs stage the next
