@@ -428,14 +428,22 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
   const bool async = kAsync && ca.vec_qk && a.K == KP;
   const int64_t items = ca.chunk_bound * a.H;
   const int tid = threadIdx.x, lane = tid & 31;
-  // Item w's chunk; starts its rows' copies into buffer b (rows past L zero) and loads its gates
-  // (thread r < L: row r; rows past L: g_p = 0, beta_p = 0) into registers.
+  struct Item {
+    int64_t gc = 0;  ///< global chunk
+    int h = 0;       ///< key head
+    ChunkPos p;      ///< the chunk's position (p.n < 0: none, past a packed batch's end)
+  };
+  // Item w (its chunk, head and position); starts its rows' copies into buffer b (rows past L zero) and
+  // loads its gates (thread r < L: row r; rows past L: g_p = 0, beta_p = 0) into registers.
   auto fetch = [&](int64_t w, int b, float& gpv, float& bpv) {
-    const int64_t gc = w % ca.chunk_bound;
-    const int h = static_cast<int>(w / ca.chunk_bound);
-    const ChunkPos p = chunk_pos(ca, gc);
+    Item it;
+    it.gc = w % ca.chunk_bound;
+    it.h = static_cast<int>(w / ca.chunk_bound);
+    it.p = chunk_pos(ca, it.gc);
+    const ChunkPos& p = it.p;
+    const int h = it.h;
     gpv = 0.f, bpv = 0.f;
-    if (p.n < 0) return p;
+    if (p.n < 0) return it;
     if (tid < p.L) {
       const int64_t t = p.t0 + tid;
       gpv = load_gate(a.g_p, p.b * a.sgp[0] + t * a.sgp[1] + h * a.sgp[2], a.gate_dtype);
@@ -445,27 +453,25 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
     if constexpr (kAsync) {
       if (async) {
         copy_rows_zfill_async<kThreads>(sK[b], LDK, k, a.sk[1], p.L);
-        return p;
+        return it;
       }
     }
     stage_rows<Tin, Op, KP>(sK[b], LDK, k, a.sk[1], p.L, a.K, ca.vec_qk);
-    return p;
+    return it;
   };
   int64_t w = blockIdx.x;
   float gpv = 0.f, bpv = 0.f;
-  ChunkPos p;
-  if (w < items) p = fetch(w, 0, gpv, bpv);
+  Item next;
+  if (w < items) next = fetch(w, 0, gpv, bpv);
   cp_commit();
   for (int b = 0; w < items; w += gridDim.x, b ^= 1) {
     if (tid < C) s_g[b][tid] = gpv, s_bp[b][tid] = bpv;
-    const ChunkPos cur = p;
-    const int64_t gc = w % ca.chunk_bound;
-    const int h = static_cast<int>(w / ca.chunk_bound);
-    if (w + gridDim.x < items) p = fetch(w + gridDim.x, b ^ 1, gpv, bpv);
+    const Item cur = next;
+    if (w + gridDim.x < items) next = fetch(w + gridDim.x, b ^ 1, gpv, bpv);
     cp_commit();
     cp_wait<1>();  // this item's rows have landed (the next item's stay in flight)
     __syncthreads();
-    if (cur.n >= 0) {  // (uniform over the block)
+    if (cur.p.n >= 0) {  // (uniform over the block)
       normalise_rows<Op, false>(sK[b], a.l2norm, 1.f, s_rn, 1, C);  // the rows' inverse norms only
       __syncthreads();
       if (tid < 32) {  // G_j = sum_{l <= j} g_p,l (two rows per lane), then w_j = e^(G_C - G_j) beta_p,j / |k_j|^2
@@ -493,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) precond_sums_kernel(const ChunkArgs 
           acc[u] = fmaf(w4[u] * x, x, acc[u]);
         }
       }
-      ca.sums[(gc * a.H + h) * KP + c] = make_float2(expf(s_tot), (acc[0] + acc[1]) + (acc[2] + acc[3]));
+      ca.sums[(cur.gc * a.H + cur.h) * KP + c] = make_float2(expf(s_tot), (acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
     __syncthreads();  // buffer b, s_w and s_tot are free for the item after next
   }
