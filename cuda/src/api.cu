@@ -258,6 +258,13 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
     c.raw_v = p.dtype != DType::f32 && c.state_vt == 128 && a.online && p.V == kernels::kChunkMaxV &&
               vec_rows(p.v, p.V) && raw_v_allowed() &&
               (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
+    // DiagonalATK: the warpgroup pass forms the write keys from its raw k rows (ChunkArgs::kw_state), but
+    // not in the split pass, whose first pass (no outputs: a shorter chain per chunk) then waited on
+    // them (B=1 T=32768 PGDN 0.864 -> 1.044 ms); DGPS_CUDA_KW_STATE=0 keeps the intra-chunk kernel's KW
+    // tiles everywhere, DGPS_CUDA_KW_STATE=1 forces it in the split pass too (testing and benchmarking knobs).
+    const char* kw_knob = std::getenv("DGPS_CUDA_KW_STATE");
+    c.kw_state = c.raw_v && c.raw_q && a.precond == kernels::kPrecondATK && !kernels::knob_off("DGPS_CUDA_KW_STATE") &&
+                 (c.split <= 1 || (kw_knob && std::string(kw_knob) == "1"));
   };
   // Few long sequences: the warpgroup pass with 128-column tiles over segments of each sequence
   // (ChunkArgs::split), where it has raw v rows; else the narrow tiles state_value_tile chose.

@@ -114,12 +114,16 @@ constexpr int kWgColGroup = 144;
 constexpr int kWgKeyTile = C / 8 * (KP / 8) * kWgColGroup;  ///< room for a C x 128 tile, raw or packed
 constexpr int kWgPacked = C * KP * 2;                       ///< a packed C x 128 tile
 /// Byte offsets in one buffer of a chunk's tiles with VT value columns: W, U (C x VT), P (packed), the
-/// 192 floats of row factors, then Q and KW (packed, or raw rows padded) and Tm (packed, C x C). With
+/// row factors (kWgFactorBytes), then Q and KW (packed, or raw rows padded) and Tm (packed, C x C). With
 /// ChunkArgs::raw_v, W's place holds the raw k rows (when KW is not k itself) and U's the raw v rows.
+/// The row factors: C floats of gamma and 2 C of the raw rows' inverse norms (or 128 of e^gamma_C with
+/// Diagonal decay), then with ChunkArgs::kw_state the statistics entering the chunk (128 floats, at
+/// kWgAinOff) and the rows' e^g_p and beta_p (2 C floats, at kWgPgOff).
+constexpr int kWgAinOff = 768, kWgPgOff = kWgAinOff + 4 * KP, kWgFactorBytes = kWgPgOff + 8 * C;
 constexpr int wg_u_off() { return kWgPacked; }
 constexpr int wg_p_off(int VT) { return kWgPacked + 2 * C * VT; }
 constexpr int wg_g_off(int VT) { return wg_p_off(VT) + 2 * C * C; }
-constexpr int wg_q_off(int VT) { return wg_g_off(VT) + 768; }
+constexpr int wg_q_off(int VT) { return wg_g_off(VT) + kWgFactorBytes; }
 constexpr int wg_kw_off(int VT) { return wg_q_off(VT) + kWgKeyTile; }
 constexpr int wg_tm_off(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
 constexpr int wg_buffer_bytes(int VT) { return wg_tm_off(VT) + 2 * C * C; }
@@ -210,6 +214,13 @@ struct ChunkArgs {
   /// neither allocated nor written: 16 KB less traffic per tile each), and applies the rows' inverse
   /// norms (and q's scale) to its accumulator rows; the intra-chunk kernel writes the norms to `rn`.
   bool raw_q = false, raw_kw = false;
+  /// DiagonalATK with raw q, k and v rows on the warpgroup state pass (PGDN, PDN; 16-bit, K = V = 128):
+  /// the pass forms the write keys itself from its raw k rows, the statistics entering the chunk (Ain)
+  /// and the rows' e^g_p and beta_p, which the intra-chunk kernel writes to `pg`, exactly as the
+  /// intra-chunk kernel forms them for its Akk (the same operations on the same values: the same bits),
+  /// so KWn is neither allocated nor written (16 KB less traffic per tile each way).
+  bool kw_state = false;
+  float* pg = nullptr;  ///< [chunk_bound, HV, 2, C] kw_state: e^g_p of the chunk's rows, then beta_p (0 past L)
   /// Set by the launcher when the warpgroup state pass follows: the intra-chunk kernel writes W, Qn, KWn,
   /// P and U blocked (element (r, c) of a tile at c / 8 * 8 C + r * 8 + c % 8: wgmma.cuh's packed layout),
   /// so that the pass copies each tile whole.

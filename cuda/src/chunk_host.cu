@@ -77,7 +77,9 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const bool raw_k = c.raw_v && (c.raw_q || c.raw_kw);
   c.W = (a.online || c.bwd) && !raw_k ? take(op * tiles * kChunk * kChunkKeys) : nullptr;
   c.Qn = c.raw_q ? nullptr : take(op * tiles * kChunk * kChunkKeys);
-  c.KWn = c.raw_kw ? nullptr : take(op * tiles * kChunk * kChunkKeys);
+  c.KWn = c.raw_kw || c.kw_state ? nullptr : take(op * tiles * kChunk * kChunkKeys);
+  // (null unless set: the intra-chunk kernel writes it whenever it is not null)
+  c.pg = c.kw_state ? reinterpret_cast<float*>(take(sizeof(float) * tiles * 2 * kChunk)) : nullptr;
   c.rn = c.raw_q || c.raw_kw ? reinterpret_cast<float*>(take(sizeof(float) * tiles * 2 * kChunk)) : nullptr;
   c.U = c.raw_v ? nullptr : take(op * tiles * kChunk * size_t(c.Vpad));
   c.Tm = c.raw_v ? take(op * tiles * kChunk * kChunk) : nullptr;

@@ -117,6 +117,13 @@ __device__ __forceinline__ float squash_fast(float A, float center, float log2_x
   return ex2_ftz(pos ? -log2_x * r * rcp_ftz(1.f + fabsf(r)) : log2_x);
 }
 
+/// One row's step of a channel's diagonal statistics (SPEC §2), A <- e^g_p A + beta_p kn^2, with the
+/// row's e^g_p and beta_p and the channel's normalised key kn: the intra-chunk kernel and the warpgroup
+/// state pass (ChunkArgs::kw_state) both form the write keys through it, so that theirs agree bit for bit.
+__device__ __forceinline__ float stat_step(float A, float egp, float bp, float kn) {
+  return fmaf(egp, A, bp * kn * kn);
+}
+
 /// Stores two adjacent elements (an even column pair) with one 32-bit access.
 template <class Op>
 __device__ __forceinline__ void store2(Op* p, float x, float y) {
@@ -961,6 +968,10 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
       }
     }
     s_gam[tid] = g, s_beta[tid] = be, s_gp[tid] = gp, s_bp[tid] = bp;
+    if (ca.pg) {  // the warpgroup state pass forms the write keys (ChunkArgs::kw_state)
+      float* pg = ca.pg + (gc * a.HV + hv) * 2 * C;
+      pg[tid] = gp, pg[C + tid] = bp;
+    }
   }
   // Diagonal decay: thread c scans channel c's gamma over the chunk (g = 0 past L and past K, so
   // row C - 1 holds gamma_C); s_gam stays 0 and the scalar factors below are 1.
@@ -1045,7 +1056,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
 #pragma unroll
         for (int u = 0; u < 8; ++u) kn[u] = to_float(sK[(r0 + u) * LDK + c]);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) Ar[u] = A = fmaf(s_gp[r0 + u], A, s_bp[r0 + u] * kn[u] * kn[u]);  // s_gp: exp(g_p)
+        for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, s_gp[r0 + u], s_bp[r0 + u], kn[u]);  // s_gp: exp(g_p)
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const float M = squash_fast(Ar[u], center, log2_x, a.eps);
@@ -1066,7 +1077,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   const int64_t tile = (gc * a.HV + hv) * C * KP;
   auto tiles_out = [&] {
     Op* Qn = static_cast<Op*>(ca.Qn) + tile;
-    Op* KWn = static_cast<Op*>(ca.KWn) + tile;
+    Op* KWn = ca.KWn ? static_cast<Op*>(ca.KWn) + tile : nullptr;  // (none: raw_kw, kw_state)
     static_assert(kThreads == 128 && KP == 128, "each thread keeps its 8 channels");
     if (diag) {
       // Thread tid keeps channels c8 = 8 (tid % 16) .. + 7 and rows tid / 16 + 8 h of every 16-row
@@ -1110,7 +1121,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     for (int e = tid; e < (diag || QUAD == kQuadIdentity ? 0 : C * KP / 8); e += kThreads) {  // (raw rows: none)
       const int r = e / (KP / 8), c8 = (e % (KP / 8)) * 8, at = ca.blocked ? blocked_at(r, c8) : r * KP + c8;
       if (!ca.raw_q) *reinterpret_cast<uint4*>(Qn + at) = *reinterpret_cast<const uint4*>(sQ + r * LDK + c8);
-      if (!ca.raw_kw) *reinterpret_cast<uint4*>(KWn + at) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
+      if (KWn) *reinterpret_cast<uint4*>(KWn + at) = *reinterpret_cast<const uint4*>(sKW + r * LDK + c8);
       if (bwd)  // the read keys
         *reinterpret_cast<uint4*>(static_cast<Op*>(ca.Kn) + tile + r * KP + c8) =
             *reinterpret_cast<const uint4*>(sK + r * LDK + c8);
@@ -1733,8 +1744,9 @@ __device__ __forceinline__ void copy_packed_async(unsigned char* dst, const Op* 
     cp_async16_zfill(dst + grp * C * 16 + r * 16, ok ? src + r * gld + 8 * grp : src, ok ? 16 : 0);
 }
 
-/// state_wg_kernel's compile-time paths (its MODE bits): Diagonal decay, raw v rows.
-constexpr int kWgDiag = 1, kWgRawV = 2;
+/// state_wg_kernel's compile-time paths (its MODE bits): Diagonal decay, raw v rows, the write keys formed
+/// in the pass (ChunkArgs::kw_state).
+constexpr int kWgDiag = 1, kWgRawV = 2, kWgKW = 4;
 
 /// The forward's sequential pass (state_kernel without backward mode) on Hopper's warpgroup products
 /// (sm_90a; wgmma.cuh), for 64 x WGS value columns. It keeps the transposed state: warpgroup g holds
@@ -1763,9 +1775,11 @@ constexpr int kWgDiag = 1, kWgRawV = 2;
 /// O^T leaves through a staging tile (stmatrix, transposed to token rows) written 16 bytes per thread
 /// where o's rows allow it (ChunkArgs::vec_o, 16-bit o), else element by element.
 /// MODE (compile-time paths, so that a launch issues no code of the others): kWgDiag for Diagonal
-/// decay, kWgRawV for raw v rows (ChunkArgs::raw_v; 128 columns); the launcher picks it (launch_state_wg).
+/// decay, kWgRawV for raw v rows (ChunkArgs::raw_v; 128 columns), kWgKW for the write keys formed in the
+/// pass (ChunkArgs::kw_state: a third warpgroup forms them while the two compute warpgroups run the
+/// chain); the launcher picks it (launch_state_wg).
 template <class Tin, class Op, int WGS, bool TR = false, int MODE = TR ? kWgRawV : 0>
-__global__ void __launch_bounds__(WGS * 128, 1)
+__global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     state_wg_kernel(const ChunkArgs ca, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                     const __grid_constant__ CUtensorMap tv) {
 #if DGPS_WGMMA
@@ -1788,7 +1802,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
   // Diagonal decay and raw v rows at compile time (MODE): the code of the paths a launch does not take
   // would otherwise be issued under false predicates.
-  constexpr bool diag = MODE & kWgDiag, rv = MODE & kWgRawV;
+  constexpr bool diag = MODE & kWgDiag, rv = MODE & kWgRawV, kwf = MODE & kWgKW;
+  static_assert(!kwf || (rv && !diag && WGS == 2), "kw_state: raw rows, 128 columns");
   const bool raw = ca.raw_q || ca.raw_kw;
   // raw_v: the raw v rows in U's place; Z's k rows are KW's tile when that is raw k (raw_kw), raw k rows
   // copied into W's place when q's rows are raw but KW is not k (rk), or else the intra-chunk kernel's
@@ -1821,7 +1836,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
   // Bytes of one chunk's bulk copies (the same for every chunk).
   const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) +
                               (TR ? 0 : 2 * C * C) + (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) +
-                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw ? 0 : kWgPacked);
+                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw || kwf ? 0 : kWgPacked) +
+                              (kwf ? kWgFactorBytes - kWgAinOff : 0);
   const bool rq = ca.raw_q && !TR, rvc = rv && need_v;  // raw q rows, raw v rows copied
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
     unsigned char* buf = smem + bi * BUF;
@@ -1870,9 +1886,72 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         if (ca.rn) wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bar);
       }
       if (!ca.raw_q && !TR) wg::bulk_copy(dst + QOFF, static_cast<const Op*>(ca.Qn) + tile * KP, kWgPacked, bar);
-      if (!ca.raw_kw) wg::bulk_copy(dst + KWOFF, static_cast<const Op*>(ca.KWn) + tile * KP, kWgPacked, bar);
+      if (kwf) {  // the statistics entering the chunk, the rows' e^g_p and beta_p (for the KW warpgroup)
+        wg::bulk_copy(dst + GOFF + kWgAinOff, ca.Ain + ((first + ci) * a.H + h) * KP, 4 * KP, bar);
+        wg::bulk_copy(dst + GOFF + kWgPgOff, ca.pg + hc * 2 * C, 8 * C, bar);
+      } else if (!ca.raw_kw) {
+        wg::bulk_copy(dst + KWOFF, static_cast<const Op*>(ca.KWn) + tile * KP, kWgPacked, bar);
+      }
     }
   };
+  // kw_state: warpgroup WGS (the block's last 128 threads, their registers mostly handed to the compute
+  // warpgroups) forms each chunk's write keys into KW's place (packed) while the compute warpgroups run
+  // the chain: from the chunk's raw k rows in W's place (rk) and its statistics' factors, by the
+  // operations of the intra-chunk kernel (stat_step, squash_fast) on the same values; thread wt takes
+  // channel wt. It waits for the chunk's bulk and tensor copies (the buffer's mbarrier) and, where the
+  // compute threads copy the rows (cp.async), for their named barrier kRowsBar + buffer; it then
+  // arrives at kKwBar + buffer, where the compute warpgroups wait before the update's products. (One
+  // chunk ahead at most: a buffer's next copies start only after the compute warpgroups passed its KW
+  // barrier.)
+  constexpr int kKwBar = 4, kRowsBar = 6, KWT = NT + 128;
+  // setmaxnreg moves registers within the block's allocation (384 threads: 168 each at launch), so the
+  // three warpgroups' shares must fit it, or the compute warpgroups' increase waits forever.
+  constexpr int kKwRegs = 40, kComputeRegs = 232;
+  static_assert(kKwRegs + 2 * kComputeRegs <= 3 * (65536 / 384 / 8 * 8), "registers of the block");
+  if constexpr (kwf) {
+    if (g == WGS) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kKwRegs) : "memory");
+      const float center = load_gate(a.center, hv / a.group, a.gate_dtype), log2_x = a.log_x * 1.44269504089f;
+      const int at = (wt / 8) * C * 8 + wt % 8;  // element (row t, channel wt) of a packed tile: at + 8 t
+      for (int64_t ci = c0; ci < cend; ++ci) {
+        const int bk = static_cast<int>((ci - c0) & 1);
+        if (rows_by_threads(static_cast<int>(imin64(C, len - ci * C))))
+          asm volatile("bar.sync %0, %1;\n" ::"r"(kRowsBar + bk), "n"(KWT) : "memory");
+        wg::bar_wait(bar0 + 8 * bk, static_cast<uint32_t>((ci - c0) >> 1) & 1);
+        const unsigned char* buf = smem + bk * BUF;
+        const Op* kr = reinterpret_cast<const Op*>(buf);
+        Op* kw = reinterpret_cast<Op*>(smem + bk * BUF + KWOFF);
+        const float* f = reinterpret_cast<const float*>(buf + GOFF);
+        const float *rnk = f + 2 * C, *egp = f + kWgPgOff / 4, *bp = egp + C;
+        float A = f[kWgAinOff / 4 + wt];
+        // Element u of the 8 rows' factors loaded 16 bytes at a time (one broadcast load per four rows).
+        auto el = [](const float4& lo, const float4& hi, int u) { return u < 4 ? (&lo.x)[u] : (&hi.x)[u - 4]; };
+        auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
+#pragma unroll 1
+        for (int t0 = 0; t0 < C; t0 += 8) {
+          float kn[8], Ar[8];
+          {
+            const float4 r0 = ld4(rnk + t0), r1 = ld4(rnk + t0 + 4);
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+              kn[u] = to_float(from_float<Op>(to_float(kr[at + 8 * (t0 + u)]) * el(r0, r1, u)));
+          }
+          {
+            const float4 e0 = ld4(egp + t0), e1 = ld4(egp + t0 + 4), b0 = ld4(bp + t0), b1 = ld4(bp + t0 + 4);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, el(e0, e1, u), el(b0, b1, u), kn[u]);
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u)
+            kw[at + 8 * (t0 + u)] = from_float<Op>(kn[u] * squash_fast(Ar[u], center, log2_x, a.eps));
+        }
+        wg::proxy_fence();  // the update's products read KW through the async proxy
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(kKwBar + bk), "n"(KWT) : "memory");
+      }
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kComputeRegs) : "memory");
+  }
   if (cend > c0) issue(c0, 0);
   // The B operands' descriptors: Q and KW packed, or raw rows copied by the threads into padded column groups.
   const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = ca.raw_kw && !ca.tma_rows;
@@ -1911,6 +1990,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     const bool by_threads = rows_by_threads(L);
     if (by_threads) wg::proxy_fence();
     if (by_threads || ci + 1 == cend) sync_compute<NT>();
+    if (kwf && by_threads) asm volatile("bar.arrive %0, %1;\n" ::"r"(kRowsBar + bi), "n"(KWT) : "memory");
     wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);  // and its bulk copies
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
@@ -2030,6 +2110,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
 #pragma unroll
       for (int j = 0; j < 64; ++j) ST[j] *= gC;
     }
+    if constexpr (kwf) asm volatile("bar.sync %0, %1;\n" ::"r"(kKwBar + bi), "n"(KWT) : "memory");  // KW written
     wg::fence();
     if constexpr (!TR)
 #pragma unroll
@@ -2153,7 +2234,7 @@ cudaError_t launch_state_wg_mode(const ChunkArgs& ca, const CUtensorMap& tq, con
   if (set != cudaSuccess) return set;
   const unsigned segs = ca.split > 1 ? ca.split - TR : 1;
   const dim3 grid(TR ? 2 : ca.Vpad / (64 * WGS), ca.a.HV, ca.a.N * segs);
-  kernel<<<grid, WGS * 128, bytes, stream>>>(ca, tq, tk, tv);
+  kernel<<<grid, WGS * 128 + (MODE & kWgKW ? 128 : 0), bytes, stream>>>(ca, tq, tk, tv);
   return cudaGetLastError();
 }
 /// Launches the warpgroup state pass (launch_state_wg_mode) in the instance of the call's decay and residual:
@@ -2165,8 +2246,9 @@ cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CU
   const bool diag = ca.a.decay == kDecayDiagonal;
   if constexpr (WGS == 2 && !std::is_same_v<Tin, float>) {  // raw v rows: 16-bit inputs, 128 columns
     if (ca.raw_v)
-      return diag ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgDiag | kWgRawV>(ca, tq, tk, tv, stream)
-                  : launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV>(ca, tq, tk, tv, stream);
+      return diag          ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgDiag | kWgRawV>(ca, tq, tk, tv, stream)
+             : ca.kw_state ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV | kWgKW>(ca, tq, tk, tv, stream)
+                           : launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV>(ca, tq, tk, tv, stream);
   }
   if constexpr (!TR) {
     if (!ca.raw_v)
@@ -2365,17 +2447,20 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
                  (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
                  (!(ca.raw_kw || (ca.raw_v && ca.raw_q)) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
                  (!ca.raw_v || raw_rows_map(&tv, a.v, a.sv, a.T, a.HV, n_map, f16));
-    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm) + "/split"
-    static const std::array<std::string, 16> names = [] {
-      std::array<std::string, 16> r;
-      for (int i = 0; i < 16; ++i)
+    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm) + "/kw"
+    // (the write keys formed in the pass: kw_state) + "/split"
+    static const std::array<std::string, 32> names = [] {
+      std::array<std::string, 32> r;
+      for (int i = 0; i < 32; ++i)
         r[i] = std::string("cuda/chunkwise/wgmma/v128") + (i & 4 ? "/raw" : "") + (i & 2 ? "/tma" : "") +
-               (i & 1 ? "/rv" : "") + (i & 8 ? "/split" : "");
+               (i & 1 ? "/rv" : "") + (i & 16 ? "/kw" : "") + (i & 8 ? "/split" : "");
       return r;
     }();
     const bool split = ca.split > 1;
     *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
-                              : names[8 * split + 4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows + ca.raw_v].c_str();
+                              : names[16 * ca.kw_state + 8 * split + 4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows +
+                                      ca.raw_v]
+                                    .c_str();
     if constexpr (!std::is_same_v<Tin, float>) {  // (raw v rows: 16-bit inputs only)
       if (split) {  // pass 1, the scan, pass 2
         if (ca.state_vt != 128 || !ca.raw_v) return cudaErrorInvalidValue;

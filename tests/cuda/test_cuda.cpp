@@ -2,7 +2,8 @@
 /// (and, from test_cuda_backward.cpp, the backward pass).
 ///
 /// Skips (exit 0, with a message) when no GPU is present, so CI can build it without a GPU.
-/// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer).
+/// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer);
+/// `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -638,6 +639,64 @@ void public_api() {
 
 }  // namespace
 
+/// DiagonalATK's write keys formed by the warpgroup state pass (ChunkArgs::kw_state, the default for
+/// PGDN and PDN with 16-bit inputs and K = V = 128 on Hopper, variant "/kw") from its raw k rows, against
+/// the intra-chunk kernel's KW tiles (DGPS_CUDA_KW_STATE=0): both form them by the same operations on the
+/// same values, so o, hT and aT must agree bit for bit, and both lie within the tolerance of the float64
+/// reference (enough (sequence, value head) pairs for the pass's 128-column tiles, which kw_state
+/// needs). Packed sequences with an empty and a one-token one (rows past a sequence's end), GVA, f16,
+/// the raw rows by cp.async (DGPS_CUDA_TMA=0), and the split pass (segments of 3 chunks; kw_state only
+/// when forced there, DGPS_CUDA_KW_STATE=1: its first pass forms KW too).
+void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
+  const dgps::Algorithm alg = g_alg;
+  g_alg = dgps::Algorithm::chunkwise;
+  struct KwCase {
+    const char* model;
+    dgps::Shape shape;
+    std::vector<int64_t> cu;
+    DType d;
+    const char* knob;  // "TMA=0" or "SPLIT=3" (or none)
+  };
+  const KwCase cases[] = {
+      {"pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+       {0, 1, 70, 70, 200, 300}, DType::bf16, ""},
+      {"pdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
+       ""},
+      {"pgdn", {.batch = 1, .time = 300, .heads = 32, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+       {0, 1, 70, 70, 200, 300}, DType::bf16, "TMA=0"},
+      {"pgdn", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {}, DType::bf16,
+       "SPLIT=3"},
+  };
+  uint64_t seed = 7300;
+  for (const KwCase& k : cases) {
+    const std::string knob = k.knob, var = "DGPS_CUDA_" + knob.substr(0, knob.find('='));
+    const std::string name = std::string("chunk/kw_state/") + k.model + "/" + (knob.empty() ? "-" : knob);
+    if (!knob.empty()) setenv(var.c_str(), knob.substr(knob.find('=') + 1).c_str(), 1);
+    const Case c = make_random(k.model, k.shape, k.cu, seed++);
+    std::string impl[2];
+    Arrays got[2];
+    for (int off = 0; off < 2; ++off) {
+      setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
+      got[off] = gpu_forward(c, k.d, DType::f32, ws, &impl[off]);
+      unsetenv("DGPS_CUDA_KW_STATE");
+    }
+    const std::string dflt = compare(name, c, k.d, DType::f32, ws, nullptr);
+    const bool split = knob.rfind("SPLIT", 0) == 0;
+    auto kw = [](const std::string& s) { return s.find("/rv/kw") != std::string::npos; };
+    report_check(kw(impl[0]) && !kw(impl[1]) && kw(dflt) == !split,
+                 name + ": variants " + impl[0] + ", " + impl[1] + ", by default " + dflt);
+    for (const auto& [t, x] : got[0]) {
+      size_t diff = 0;
+      for (size_t i = 0; i < x.size(); ++i) diff += !(x[i] == got[1].at(t)[i]);
+      report_check(diff == 0, name + ": " + t + " the same bits with and without kw_state (" + std::to_string(diff) +
+                                  " of " + std::to_string(x.size()) + " differ)");
+    }
+    if (!knob.empty()) unsetenv(var.c_str());
+    if (quick) break;
+  }
+  g_alg = alg;
+}
+
 int main(int argc, char** argv) {
   if (!dgps::cuda::available() || !dgps::cuda_available()) {
     std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
@@ -648,11 +707,17 @@ int main(int argc, char** argv) {
   check_cuda(cudaGetDeviceProperties(&prop, 0), "device properties");
   std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
   dgps::cuda::Workspace ws;
+  if (argc > 1 && std::string(argv[1]) == "--kw-state") {  // these cases alone (for compute-sanitizer)
+    kw_state_cases(ws, false);
+    std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
+    return g_failures ? 1 : 0;
+  }
   try {
     conformance(ws);
     random_cases(ws, quick);
     chunkwise_cases(ws, quick);
     sums_cases(ws, quick);
+    kw_state_cases(ws, quick);
     for (const char* m : {"pgdn", "pkda"}) {
       chunk_graph_case(m, 4242, ws);
       if (quick) break;
