@@ -218,7 +218,8 @@ struct ChunkArgs {
   /// the pass forms the write keys itself from its raw k rows, the statistics entering the chunk (Ain)
   /// and the rows' e^g_p and beta_p, which the intra-chunk kernel writes to `pg`, exactly as the
   /// intra-chunk kernel forms them for its Akk (the same operations on the same values: the same bits),
-  /// so KWn is neither allocated nor written (16 KB less traffic per tile each way).
+  /// so KWn is neither allocated nor written (16 KB less traffic per tile each way). Not in the split
+  /// pass (its first pass waited on the write keys) unless DGPS_CUDA_KW_STATE=1.
   bool kw_state = false;
   float* pg = nullptr;  ///< [chunk_bound, HV, 2, C] kw_state: e^g_p of the chunk's rows, then beta_p (0 past L)
   /// Set by the launcher when the warpgroup state pass follows: the intra-chunk kernel writes W, Qn, KWn,
