@@ -263,8 +263,8 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspa
     // them (B=1 T=32768 PGDN 0.864 -> 1.044 ms); DGPS_CUDA_KW_STATE=0 keeps the intra-chunk kernel's KW
     // tiles everywhere, DGPS_CUDA_KW_STATE=1 forces it in the split pass too (testing and benchmarking knobs).
     const char* kw_knob = std::getenv("DGPS_CUDA_KW_STATE");
-    c.kw_state = c.raw_v && c.raw_q && a.precond == kernels::kPrecondATK && !kernels::knob_off("DGPS_CUDA_KW_STATE") &&
-                 (c.split <= 1 || (kw_knob && std::string(kw_knob) == "1"));
+    const std::string kw = kw_knob ? kw_knob : "";
+    c.kw_state = c.raw_v && c.raw_q && a.precond == kernels::kPrecondATK && kw != "0" && (c.split <= 1 || kw == "1");
   };
   // Few long sequences: the warpgroup pass with 128-column tiles over segments of each sequence
   // (ChunkArgs::split), where it has raw v rows; else the narrow tiles state_value_tile chose.

@@ -1925,7 +1925,10 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
         const float *rnk = f + 2 * C, *egp = f + kWgPgOff / 4, *bp = egp + C;
         float A = f[kWgAinOff / 4 + wt];
         // Element u of the 8 rows' factors loaded 16 bytes at a time (one broadcast load per four rows).
-        auto el = [](const float4& lo, const float4& hi, int u) { return u < 4 ? (&lo.x)[u] : (&hi.x)[u - 4]; };
+        auto el = [](const float4& lo, const float4& hi, int u) {
+          const float4& v = u < 4 ? lo : hi;
+          return (u & 3) == 0 ? v.x : (u & 3) == 1 ? v.y : (u & 3) == 2 ? v.z : v.w;
+        };
         auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
 #pragma unroll 1
         for (int t0 = 0; t0 < C; t0 += 8) {
