@@ -128,9 +128,10 @@ constexpr int wg_kw_off(int VT) { return wg_q_off(VT) + kWgKeyTile; }
 constexpr int wg_tm_off(int VT) { return wg_kw_off(VT) + kWgKeyTile; }
 constexpr int wg_buffer_bytes(int VT) { return wg_tm_off(VT) + 2 * C * C; }
 /// Byte offset of the warpgroup state pass's output stage (C token rows of VT 16-bit values and 16 bytes
-/// of padding), after the two buffers, each warpgroup's 3 C row factors and the buffers' two mbarriers.
+/// of padding), after the two buffers, each warpgroup's 3 C row factors and the buffers' mbarriers (two
+/// per buffer: all of a chunk's copies, and with ChunkArgs::kw_state the write keys' inputs first).
 constexpr int wg_o_off(int VT) {
-  return 2 * wg_buffer_bytes(VT) + static_cast<int>(sizeof(float)) * 3 * C * (VT / 64) + 2 * 8;
+  return 2 * wg_buffer_bytes(VT) + static_cast<int>(sizeof(float)) * 3 * C * (VT / 64) + 4 * 8;
 }
 /// Dynamic shared memory of the warpgroup state pass.
 constexpr size_t wg_smem_bytes(int VT) { return size_t(wg_o_off(VT)) + size_t(C) * (2 * VT + 16); }

@@ -107,14 +107,34 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   return y;
 }
 
-/// The squash of SPEC §2 with the approximate instructions and no branch (the chunkwise kernels' results
-/// carry 16-bit rounding); log2_x = log2(x). M = x where A + eps is not positive.
+/// The squash of SPEC §2 with the approximate instructions and no branch or select (the chunkwise
+/// kernels' results carry 16-bit rounding); log2_x = log2(x). log2(M) = -log2(x) r / (1 + |r|) is formed
+/// as -sign(r) v with v = log2(x) (1 - 1 / (1 + |r|)) (one multiply-add, then r's sign by one logic
+/// operation), which is log2(x) exactly at r = -inf: where A + eps is not positive (or below the smallest
+/// normal float, flushed by lg2), lg2 gives -inf and M = x, the limit SPEC §2 asks for.
 __device__ __forceinline__ float squash_fast(float A, float center, float log2_x, float eps) {
   constexpr float kLn2 = 0.69314718056f;
-  const float ae = A + eps;
-  const bool pos = ae > 0.f;
-  const float r = fmaf(lg2_ftz(pos ? ae : 1.f), kLn2, -center);
-  return ex2_ftz(pos ? -log2_x * r * rcp_ftz(1.f + fabsf(r)) : log2_x);
+  const float r = fmaf(lg2_ftz(fmaxf(A + eps, 0.f)), kLn2, -center);
+  const float v = fmaf(-log2_x, rcp_ftz(1.f + fabsf(r)), log2_x);
+  return ex2_ftz(__int_as_float(__float_as_int(v) ^ (~__float_as_int(r) & int(0x80000000u))));
+}
+
+/// x and y rounded to Op (16-bit) and back, as to_float(from_float<Op>(.)) but by one packed conversion.
+template <class Op>
+__device__ __forceinline__ void round_pair(float& x, float& y) {
+  if constexpr (std::is_same_v<Op, __nv_bfloat16>) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(x, y);
+    x = __low2float(p), y = __high2float(p);
+  } else {
+    static_assert(std::is_same_v<Op, __half>, "16-bit operands");
+    const __half2 p = __floats2half2_rn(x, y);
+    x = __low2float(p), y = __high2float(p);
+  }
+}
+
+/// Component i (0 .. 3, known at compile time) of a float4.
+__device__ __forceinline__ float f4_at(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 /// One row's step of a channel's diagonal statistics (SPEC §2), A <- e^g_p A + beta_p kn^2, with the
@@ -920,7 +940,7 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   Op* sPst = QUAD ? nullptr : diag || atk_nd ? reinterpret_cast<Op*>(sTh) : sTm;  // P's staging (QUAD: none)
   if (diag) sTm = reinterpret_cast<Op*>(sAh);
   if (atk_nd || QUAD) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
-  __shared__ float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
+  __shared__ __align__(16) float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
   __shared__ __align__(16) float s_beta[C];  // read 16 bytes at a time when Tm is formed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1055,8 +1075,11 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
         float kn[8], Ar[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) kn[u] = to_float(sK[(r0 + u) * LDK + c]);
+        // The 8 rows' e^g_p (s_gp) and beta_p, 16 bytes at a time (broadcast loads).
+        auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
+        const float4 e4[2] = {ld4(s_gp + r0), ld4(s_gp + r0 + 4)}, b4[2] = {ld4(s_bp + r0), ld4(s_bp + r0 + 4)};
 #pragma unroll
-        for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, s_gp[r0 + u], s_bp[r0 + u], kn[u]);  // s_gp: exp(g_p)
+        for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, f4_at(e4[u / 4], u % 4), f4_at(b4[u / 4], u % 4), kn[u]);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const float M = squash_fast(Ar[u], center, log2_x, a.eps);
@@ -1800,6 +1823,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   float* s_es = s_eo + C;                                              // of R's copy for the update
   float* s_ez = s_es + C;                                              // and of K's rows in Z (raw_v)
   const uint32_t bar0 = smem_addr(smem + 2 * BUF + sizeof(float) * 3 * C * WGS);  // buffer b's mbarrier: bar0 + 8 b
+  const uint32_t barw0 = bar0 + 16;  // kw_state: buffer b's write-key inputs' mbarrier, barw0 + 8 b
   // Diagonal decay and raw v rows at compile time (MODE): the code of the paths a launch does not take
   // would otherwise be issued under false predicates.
   constexpr bool diag = MODE & kWgDiag, rv = MODE & kWgRawV, kwf = MODE & kWgKW;
@@ -1831,13 +1855,19 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   if (threadIdx.x == 0) {
     wg::bar_init(bar0);
     wg::bar_init(bar0 + 8);
+    wg::bar_init(barw0);
+    wg::bar_init(barw0 + 8);
   }
   __syncthreads();
   // Bytes of one chunk's bulk copies (the same for every chunk).
   const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) +
                               (TR ? 0 : 2 * C * C) + (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) +
-                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw || kwf ? 0 : kWgPacked) +
-                              (kwf ? kWgFactorBytes - kWgAinOff : 0);
+                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw || kwf ? 0 : kWgPacked) -
+                              (kwf ? 8 * C : 0);  // (kw_state: the k rows' inverse norms on barw0)
+  // kw_state: the write keys' inputs (the raw k rows where a tensor copy brings them, the rows' inverse
+  // norms, the statistics entering the chunk, the rows' e^g_p and beta_p) are issued first and complete
+  // on their own mbarrier, so that the KW warpgroup starts before the chunk's other tiles have landed.
+  const uint32_t kw_bytes = 8 * C + kWgFactorBytes - kWgAinOff;
   const bool rq = ca.raw_q && !TR, rvc = rv && need_v;  // raw q rows, raw v rows copied
   auto issue = [&](int64_t ci, int bi) {  // chunk ci into buffer bi
     unsigned char* buf = smem + bi * BUF;
@@ -1863,12 +1893,20 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
+      if (kwf) {
+        const uint32_t bw = barw0 + 8 * bi;
+        wg::bar_expect(bw, kw_bytes + (by_threads ? 0 : kWgPacked));
+        if (!by_threads) wg::tensor_copy5(dst, &tk, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bw);
+        wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bw);
+        wg::bulk_copy(dst + GOFF + kWgAinOff, ca.Ain + ((first + ci) * a.H + h) * KP, 4 * KP, bw);
+        wg::bulk_copy(dst + GOFF + kWgPgOff, ca.pg + hc * 2 * C, 8 * C, bw);
+      }
       if ((raw || rv) && !by_threads) {  // the raw rows' tiles by tensor copies
-        wg::bar_expect(bar, bulk_bytes + (rq + ca.raw_kw + rk + rvc) * kWgPacked);
+        wg::bar_expect(bar, bulk_bytes + (rq + ca.raw_kw + (rk && !kwf) + rvc) * kWgPacked);
         const int ti = static_cast<int>(t), bn = static_cast<int>(b);
         if (rq) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
         if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, ti, static_cast<int>(h), bn, bar);
-        if (rk) wg::tensor_copy5(dst, &tk, ti, static_cast<int>(h), bn, bar);
+        if (rk && !kwf) wg::tensor_copy5(dst, &tk, ti, static_cast<int>(h), bn, bar);
         if (rvc) wg::tensor_copy5(dst + UOFF, &tv, ti, hv, bn, bar);
       } else {
         wg::bar_expect(bar, bulk_bytes);
@@ -1883,23 +1921,22 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
         wg::bulk_copy(dst + GOFF, ca.egC + hc * KP, 4 * KP, bar);
       } else {
         wg::bulk_copy(dst + GOFF, ca.gam + tile, 4 * C, bar);
-        if (ca.rn) wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bar);
+        if (ca.rn && !kwf) wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bar);
       }
       if (!ca.raw_q && !TR) wg::bulk_copy(dst + QOFF, static_cast<const Op*>(ca.Qn) + tile * KP, kWgPacked, bar);
-      if (kwf) {  // the statistics entering the chunk, the rows' e^g_p and beta_p (for the KW warpgroup)
-        wg::bulk_copy(dst + GOFF + kWgAinOff, ca.Ain + ((first + ci) * a.H + h) * KP, 4 * KP, bar);
-        wg::bulk_copy(dst + GOFF + kWgPgOff, ca.pg + hc * 2 * C, 8 * C, bar);
-      } else if (!ca.raw_kw) {
+      if (!kwf && !ca.raw_kw) {
         wg::bulk_copy(dst + KWOFF, static_cast<const Op*>(ca.KWn) + tile * KP, kWgPacked, bar);
       }
     }
   };
   // kw_state: warpgroup WGS (the block's last 128 threads, their registers mostly handed to the compute
-  // warpgroups) forms each chunk's write keys into KW's place (packed) while the compute warpgroups run
+  // warpgroups) forms each chunk's write keys into KW's place (padded) while the compute warpgroups run
   // the chain: from the chunk's raw k rows in W's place (rk) and its statistics' factors, by the
   // operations of the intra-chunk kernel (stat_step, squash_fast) on the same values; thread wt takes
-  // channel wt. It waits for the chunk's bulk and tensor copies (the buffer's mbarrier) and, where the
-  // compute threads copy the rows (cp.async), for their named barrier kRowsBar + buffer; it then
+  // channel wt. It waits for its inputs' copies (the buffer's write-key mbarrier: they are issued before
+  // the chunk's other tiles; waiting for all of them put the compute warpgroups' wait for KW at 18% of
+  // their time) and, where the compute threads copy the rows (cp.async), for their named barrier
+  // kRowsBar + buffer; it then
   // arrives at kKwBar + buffer, where the compute warpgroups wait before the update's products. (One
   // chunk ahead at most: a buffer's next copies start only after the compute warpgroups passed its KW
   // barrier.)
@@ -1913,11 +1950,14 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kKwRegs) : "memory");
       const float center = load_gate(a.center, hv / a.group, a.gate_dtype), log2_x = a.log_x * 1.44269504089f;
       const int at = (wt / 8) * C * 8 + wt % 8;  // element (row t, channel wt) of a packed tile: at + 8 t
+      // KW padded (column groups kWgColGroup bytes apart), so that a warp's stores of one row fall in
+      // four different 16-byte bank groups: element (t, wt) at atw + (t / 8) RGK / 2 + 8 (t % 8).
+      const int atw = (wt / 8) * (CGP / 2) + wt % 8;
       for (int64_t ci = c0; ci < cend; ++ci) {
         const int bk = static_cast<int>((ci - c0) & 1);
         if (rows_by_threads(static_cast<int>(imin64(C, len - ci * C))))
           asm volatile("bar.sync %0, %1;\n" ::"r"(kRowsBar + bk), "n"(KWT) : "memory");
-        wg::bar_wait(bar0 + 8 * bk, static_cast<uint32_t>((ci - c0) >> 1) & 1);
+        wg::bar_wait(barw0 + 8 * bk, static_cast<uint32_t>((ci - c0) >> 1) & 1);
         const unsigned char* buf = smem + bk * BUF;
         const Op* kr = reinterpret_cast<const Op*>(buf);
         Op* kw = reinterpret_cast<Op*>(smem + bk * BUF + KWOFF);
@@ -1925,10 +1965,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
         const float *rnk = f + 2 * C, *egp = f + kWgPgOff / 4, *bp = egp + C;
         float A = f[kWgAinOff / 4 + wt];
         // Element u of the 8 rows' factors loaded 16 bytes at a time (one broadcast load per four rows).
-        auto el = [](const float4& lo, const float4& hi, int u) {
-          const float4& v = u < 4 ? lo : hi;
-          return (u & 3) == 0 ? v.x : (u & 3) == 1 ? v.y : (u & 3) == 2 ? v.z : v.w;
-        };
+        auto el = [](const float4& lo, const float4& hi, int u) { return f4_at(u < 4 ? lo : hi, u & 3); };
         auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
 #pragma unroll 1
         for (int t0 = 0; t0 < C; t0 += 8) {
@@ -1936,8 +1973,9 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
           {
             const float4 r0 = ld4(rnk + t0), r1 = ld4(rnk + t0 + 4);
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
-              kn[u] = to_float(from_float<Op>(to_float(kr[at + 8 * (t0 + u)]) * el(r0, r1, u)));
+            for (int u = 0; u < 8; ++u) kn[u] = to_float(kr[at + 8 * (t0 + u)]) * el(r0, r1, u);
+#pragma unroll
+            for (int u = 0; u < 8; u += 2) round_pair<Op>(kn[u], kn[u + 1]);  // the intra kernel's 16-bit kn
           }
           {
             const float4 e0 = ld4(egp + t0), e1 = ld4(egp + t0 + 4), b0 = ld4(bp + t0), b1 = ld4(bp + t0 + 4);
@@ -1946,7 +1984,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
           }
 #pragma unroll
           for (int u = 0; u < 8; ++u)
-            kw[at + 8 * (t0 + u)] = from_float<Op>(kn[u] * squash_fast(Ar[u], center, log2_x, a.eps));
+            kw[atw + (t0 / 8) * (RGK / 2) + 8 * u] = from_float<Op>(kn[u] * squash_fast(Ar[u], center, log2_x, a.eps));
         }
         wg::proxy_fence();  // the update's products read KW through the async proxy
         asm volatile("bar.arrive %0, %1;\n" ::"r"(kKwBar + bk), "n"(KWT) : "memory");
@@ -1957,7 +1995,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   }
   if (cend > c0) issue(c0, 0);
   // The B operands' descriptors: Q and KW packed, or raw rows copied by the threads into padded column groups.
-  const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = ca.raw_kw && !ca.tma_rows;
+  const bool q_pad = ca.raw_q && !ca.tma_rows, kw_pad = (ca.raw_kw && !ca.tma_rows) || kwf;  // kwf: padded KW
   const uint32_t q_cg = q_pad ? CGP : CGB, q_rg = q_pad ? RGK : 128;
   const uint32_t kw_cg = kw_pad ? CGP : CGB, kw_rg = kw_pad ? RGK : 128;
   // raw_v: the rows of k in Z (KW's tile, or packed in W's place); v's tile is packed.
@@ -1995,6 +2033,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     if (by_threads || ci + 1 == cend) sync_compute<NT>();
     if (kwf && by_threads) asm volatile("bar.arrive %0, %1;\n" ::"r"(kRowsBar + bi), "n"(KWT) : "memory");
     wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);  // and its bulk copies
+    if (kwf) wg::bar_wait(barw0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
     const uint32_t K_a = ca.raw_kw ? KW_a : W_a, TM_a = W_a + TMOFF;  // raw_v: Z's k rows, Tm
