@@ -137,6 +137,14 @@ __device__ __forceinline__ float f4_at(const float4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+/// Element u (0 .. 7, known at compile time) of 8 floats read 16 bytes at a time from p (16-byte aligned).
+struct Float8 {
+  float4 lo, hi;
+  __device__ __forceinline__ explicit Float8(const float* p)
+      : lo(*reinterpret_cast<const float4*>(p)), hi(*reinterpret_cast<const float4*>(p + 4)) {}
+  __device__ __forceinline__ float operator[](int u) const { return f4_at(u < 4 ? lo : hi, u & 3); }
+};
+
 /// One row's step of a channel's diagonal statistics (SPEC §2), A <- e^g_p A + beta_p kn^2, with the
 /// row's e^g_p and beta_p and the channel's normalised key kn: the intra-chunk kernel and the warpgroup
 /// state pass (ChunkArgs::kw_state) both form the write keys through it, so that theirs agree bit for bit.
@@ -1075,11 +1083,9 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
         float kn[8], Ar[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) kn[u] = to_float(sK[(r0 + u) * LDK + c]);
-        // The 8 rows' e^g_p (s_gp) and beta_p, 16 bytes at a time (broadcast loads).
-        auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
-        const float4 e4[2] = {ld4(s_gp + r0), ld4(s_gp + r0 + 4)}, b4[2] = {ld4(s_bp + r0), ld4(s_bp + r0 + 4)};
+        const Float8 e8(s_gp + r0), b8(s_bp + r0);  // the 8 rows' e^g_p and beta_p (broadcast loads)
 #pragma unroll
-        for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, f4_at(e4[u / 4], u % 4), f4_at(b4[u / 4], u % 4), kn[u]);
+        for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, e8[u], b8[u], kn[u]);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const float M = squash_fast(Ar[u], center, log2_x, a.eps);
@@ -1861,9 +1867,8 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   __syncthreads();
   // Bytes of one chunk's bulk copies (the same for every chunk).
   const uint32_t bulk_bytes = (a.online && (!rv || kg) ? kWgPacked : 0) + (rv ? 2 * C * C : 2 * C * VT) +
-                              (TR ? 0 : 2 * C * C) + (diag ? 4 * KP : 4 * C + (ca.rn ? 8 * C : 0)) +
-                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw || kwf ? 0 : kWgPacked) -
-                              (kwf ? 8 * C : 0);  // (kw_state: the k rows' inverse norms on barw0)
+                              (TR ? 0 : 2 * C * C) + (diag ? 4 * KP : 4 * C + (ca.rn && !kwf ? 8 * C : 0)) +
+                              (ca.raw_q || TR ? 0 : kWgPacked) + (ca.raw_kw || kwf ? 0 : kWgPacked);
   // kw_state: the write keys' inputs (the raw k rows where a tensor copy brings them, the rows' inverse
   // norms, the statistics entering the chunk, the rows' e^g_p and beta_p) are issued first and complete
   // on their own mbarrier, so that the KW warpgroup starts before the chunk's other tiles have landed.
@@ -1893,20 +1898,20 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     cp_commit();
     if (threadIdx.x == 0) {
       const uint32_t bar = bar0 + 8 * bi, dst = smem_addr(buf);
-      if (kwf) {
+      const int ti = static_cast<int>(t), hi = static_cast<int>(h), bn = static_cast<int>(b);  // tensor coordinates
+      if (kwf) {  // (the norms of k (with q's) are the write keys' inputs: copied here, not below)
         const uint32_t bw = barw0 + 8 * bi;
         wg::bar_expect(bw, kw_bytes + (by_threads ? 0 : kWgPacked));
-        if (!by_threads) wg::tensor_copy5(dst, &tk, static_cast<int>(t), static_cast<int>(h), static_cast<int>(b), bw);
+        if (!by_threads) wg::tensor_copy5(dst, &tk, ti, hi, bn, bw);
         wg::bulk_copy(dst + GOFF + 4 * C, ca.rn + 2 * tile, 8 * C, bw);
         wg::bulk_copy(dst + GOFF + kWgAinOff, ca.Ain + ((first + ci) * a.H + h) * KP, 4 * KP, bw);
         wg::bulk_copy(dst + GOFF + kWgPgOff, ca.pg + hc * 2 * C, 8 * C, bw);
       }
       if ((raw || rv) && !by_threads) {  // the raw rows' tiles by tensor copies
         wg::bar_expect(bar, bulk_bytes + (rq + ca.raw_kw + (rk && !kwf) + rvc) * kWgPacked);
-        const int ti = static_cast<int>(t), bn = static_cast<int>(b);
-        if (rq) wg::tensor_copy5(dst + QOFF, &tq, ti, static_cast<int>(h), bn, bar);
-        if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, ti, static_cast<int>(h), bn, bar);
-        if (rk && !kwf) wg::tensor_copy5(dst, &tk, ti, static_cast<int>(h), bn, bar);
+        if (rq) wg::tensor_copy5(dst + QOFF, &tq, ti, hi, bn, bar);
+        if (ca.raw_kw) wg::tensor_copy5(dst + KWOFF, &tk, ti, hi, bn, bar);
+        if (rk && !kwf) wg::tensor_copy5(dst, &tk, ti, hi, bn, bar);
         if (rvc) wg::tensor_copy5(dst + UOFF, &tv, ti, hv, bn, bar);
       } else {
         wg::bar_expect(bar, bulk_bytes);
@@ -1936,10 +1941,9 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   // channel wt. It waits for its inputs' copies (the buffer's write-key mbarrier: they are issued before
   // the chunk's other tiles; waiting for all of them put the compute warpgroups' wait for KW at 18% of
   // their time) and, where the compute threads copy the rows (cp.async), for their named barrier
-  // kRowsBar + buffer; it then
-  // arrives at kKwBar + buffer, where the compute warpgroups wait before the update's products. (One
-  // chunk ahead at most: a buffer's next copies start only after the compute warpgroups passed its KW
-  // barrier.)
+  // kRowsBar + buffer; it then arrives at kKwBar + buffer, where the compute warpgroups wait before the
+  // update's products. (One chunk ahead at most: a buffer's next copies start only after the compute
+  // warpgroups passed its KW barrier.)
   constexpr int kKwBar = 4, kRowsBar = 6, KWT = NT + 128;
   // setmaxnreg moves registers within the block's allocation (384 threads: 168 each at launch), so the
   // three warpgroups' shares must fit it, or the compute warpgroups' increase waits forever.
@@ -1964,23 +1968,21 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
         const float* f = reinterpret_cast<const float*>(buf + GOFF);
         const float *rnk = f + 2 * C, *egp = f + kWgPgOff / 4, *bp = egp + C;
         float A = f[kWgAinOff / 4 + wt];
-        // Element u of the 8 rows' factors loaded 16 bytes at a time (one broadcast load per four rows).
-        auto el = [](const float4& lo, const float4& hi, int u) { return f4_at(u < 4 ? lo : hi, u & 3); };
-        auto ld4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
+        // The 8 rows' factors are read 16 bytes at a time (Float8: one broadcast load per four rows).
 #pragma unroll 1
         for (int t0 = 0; t0 < C; t0 += 8) {
           float kn[8], Ar[8];
           {
-            const float4 r0 = ld4(rnk + t0), r1 = ld4(rnk + t0 + 4);
+            const Float8 r8(rnk + t0);
 #pragma unroll
-            for (int u = 0; u < 8; ++u) kn[u] = to_float(kr[at + 8 * (t0 + u)]) * el(r0, r1, u);
+            for (int u = 0; u < 8; ++u) kn[u] = to_float(kr[at + 8 * (t0 + u)]) * r8[u];
 #pragma unroll
             for (int u = 0; u < 8; u += 2) round_pair<Op>(kn[u], kn[u + 1]);  // the intra kernel's 16-bit kn
           }
           {
-            const float4 e0 = ld4(egp + t0), e1 = ld4(egp + t0 + 4), b0 = ld4(bp + t0), b1 = ld4(bp + t0 + 4);
+            const Float8 e8(egp + t0), b8(bp + t0);
 #pragma unroll
-            for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, el(e0, e1, u), el(b0, b1, u), kn[u]);
+            for (int u = 0; u < 8; ++u) Ar[u] = A = stat_step(A, e8[u], b8[u], kn[u]);
           }
 #pragma unroll
           for (int u = 0; u < 8; ++u)
@@ -2032,8 +2034,9 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     if (by_threads) wg::proxy_fence();
     if (by_threads || ci + 1 == cend) sync_compute<NT>();
     if (kwf && by_threads) asm volatile("bar.arrive %0, %1;\n" ::"r"(kRowsBar + bi), "n"(KWT) : "memory");
-    wg::bar_wait(bar0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);  // and its bulk copies
-    if (kwf) wg::bar_wait(barw0 + 8 * bi, static_cast<uint32_t>((ci - c0) >> 1) & 1);
+    const uint32_t phase = static_cast<uint32_t>((ci - c0) >> 1) & 1;  // buffer bi's round
+    wg::bar_wait(bar0 + 8 * bi, phase);  // and its bulk copies
+    if (kwf) wg::bar_wait(barw0 + 8 * bi, phase);
     unsigned char* buf = smem + bi * BUF;
     const uint32_t W_a = smem_addr(buf), Q_a = W_a + QOFF, KW_a = W_a + KWOFF, P_a = W_a + POFF;
     const uint32_t K_a = ca.raw_kw ? KW_a : W_a, TM_a = W_a + TMOFF;  // raw_v: Z's k rows, Tm
