@@ -4,10 +4,12 @@
 /// that nothing synchronises with the host (varlen chunk positions are resolved on the device):
 ///   1. `chunk_map_kernel` (varlen only): the chunk list of a packed batch (sequence, chunk) and each
 ///      sequence's first chunk.
-///   2. `precond_sums_kernel` and 3. `precond_scan_kernel` (diagonal preconditioners only): the statistics
-///      A_t of SPEC §2 at every chunk start, as a chunked first-order scan (SPEC §4): each chunk's sums
-///      by a persistent kernel that copies the next chunk's k rows while it sums the current one, then
-///      the scan over each sequence's chunks (a programmatic dependent launch on Hopper).
+///   2. `precond_sums_kernel` and 3. `precond_scan_kernel` (diagonal preconditioners, the backward's
+///      forward only): the statistics A_t of SPEC §2 at every chunk start, as a chunked first-order scan
+///      (SPEC §4): each chunk's sums by a persistent kernel that copies the next chunk's k rows while it
+///      sums the current one, then the scan over each sequence's chunks (a programmatic dependent launch
+///      on Hopper). The forward instead zeroes the look-back's words (one memset) and the intra-chunk
+///      kernel forms the statistics entering each chunk itself (ChunkArgs::lookback), so that k is read once.
 ///   4. `intra_kernel`: everything inside a chunk that does not depend on the state, in parallel over
 ///      (chunk, value head): normalised q, k, the write key kw or read query qr, the triangular solve
 ///      Tm = (I + Akk)^{-1} Diag(beta) (16 x 16 diagonal blocks by float32 substitution, the blocks
@@ -16,8 +18,8 @@
 ///      operands, float32 accumulation). Bound by the latency of its phases, so its shared-memory
 ///      layouts are chosen for blocks per SM: the quad layout (forward, scalar or no decay, raw rows,
 ///      Identity or DiagonalATK: four), the lean Diagonal-decay layout (three), the standard one (three,
-///      two with Diagonal decay without raw v rows). After the statistics' scan it is a programmatic
-///      dependent launch on Hopper.
+///      two with Diagonal decay without raw v rows). After the statistics' scan (backward) it is a
+///      programmatic dependent launch on Hopper.
 ///   5. `state_kernel`: the sequential pass over chunks per (sequence, value head, value tile): R = U - W S,
 ///      O = Diag(e^gamma) Q S + P R, S <- e^gamma_C S + KW^T Diag(e^(gamma_C - gamma)) R with the state
 ///      in float32 registers (its bf16 copy feeds the tensor cores); the decays scale accumulator rows.
@@ -209,6 +211,20 @@ struct ChunkArgs {
   float* egC = nullptr;    ///< [chunk_bound, HV, 128] Diagonal decay: e^gamma_C per key channel
   float2* sums = nullptr;  ///< [chunk_bound, H, 128] (decay product, weighted sum) of the statistics
   float* Ain = nullptr;    ///< [chunk_bound, H, 128] statistics entering each chunk
+  /// Forward with a diagonal preconditioner: the intra-chunk kernel forms the statistics entering each
+  /// chunk itself by a look-back over the previous chunks (no sums or scan kernel, so k is read once), and
+  /// writes Ain (for the state pass) and aT. Each block publishes its chunk's statistics from zero with
+  /// the chunk's product of e^g_p and, once it has the statistics entering the chunk, those leaving it
+  /// (tagged 64-bit words, one per channel: no barrier, no fence); chunk c folds the words of chunks
+  /// max(c - kLookback, 0) .. c - 1 onto a0 or onto the statistics leaving the chunk before them, always
+  /// in that order (the same bits in every run). The grid is one-dimensional, its blocks ordered so that
+  /// a chunk's predecessors have smaller indices (chunk index major with equal-length sequences, global
+  /// chunk major with packed ones): a block waits only on blocks dispatched before it. The workspace
+  /// has no sums then. DGPS_CUDA_LOOKBACK=0 keeps the sums and scan kernels (a testing and benchmarking knob).
+  bool lookback = false;
+  /// [2, chunk_bound, HV, 128] words (st_word; zeroed per call): the chunks' statistics from zero with
+  /// their products of e^g_p, then the statistics leaving them
+  uint64_t* lb = nullptr;
   /// Forward only, 16-bit inputs of the operand type, K = 128, 16-byte rows, scalar or no decay: the
   /// state pass copies the raw q rows (raw_q: no DiagonalATQ) and k rows as the write key (raw_kw: no
   /// DiagonalATK) from the inputs instead of the intra-chunk kernel's Qn and KWn tiles (which are then
@@ -270,6 +286,11 @@ struct ChunkArgs {
   /// when the write key is the read key).
   void *Qu = nullptr, *Ku = nullptr, *KWu = nullptr;
 };
+
+/// Bytes of the look-back's tagged words (ChunkArgs::lb).
+inline size_t lookback_bytes(const ChunkArgs& c) {
+  return sizeof(uint64_t) * size_t(c.chunk_bound) * size_t(c.a.HV) * 2 * kChunkKeys;
+}
 
 /// Bytes of workspace the chunkwise forward (or, with `c.bwd`, the chunkwise backward) needs; with `base` non-null,
 /// also points `c`'s workspace pointers into it (base must be 256-byte aligned).

@@ -91,7 +91,8 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   c.Sseg = reinterpret_cast<float*>(take(c.split > 1 ? sizeof(float) * heads * size_t(c.split) * square : 0));
   const bool diag = a.precond != kPrecondIdentity;
   const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
-  c.sums = reinterpret_cast<float2*>(take(diag ? sizeof(float2) * stats : 0));
+  c.sums = reinterpret_cast<float2*>(take(diag && !c.lookback ? sizeof(float2) * stats : 0));
+  c.lb = reinterpret_cast<uint64_t*>(take(diag && c.lookback ? lookback_bytes(c) : 0));
   c.Ain = reinterpret_cast<float*>(take(diag ? sizeof(float) * stats : 0));
   if (c.bwd) {
     c.Kn = take(op * tiles * kChunk * kChunkKeys);

@@ -275,6 +275,132 @@ __global__ void chunk_map_kernel(const ChunkArgs ca) {
     for (int64_t c = 0, e = ca.first[n + 1] - ca.first[n]; c < e; ++c)
       ca.map[ca.first[n] + c] = make_int2(n, static_cast<int>(c));
   for (int64_t gc = ca.first[N] + threadIdx.x; gc < ca.chunk_bound; gc += blockDim.x) ca.map[gc] = make_int2(-1, 0);
+  // The look-back (ChunkArgs::lookback) writes aT in a sequence's last chunk: an empty sequence's here.
+  const RecArgs& a = ca.a;
+  if (!ca.lookback || !a.aT) return;
+  for (int64_t e = threadIdx.x; e < int64_t(N) * a.H * a.K; e += blockDim.x) {
+    const int n = static_cast<int>(e / (int64_t(a.H) * a.K)), h = static_cast<int>(e / a.K % a.H),
+              c = static_cast<int>(e % a.K);
+    if (ca.first[n + 1] == ca.first[n])
+      a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = a.a0 ? a.a0[int64_t(n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+  }
+}
+
+/// Chunks whose own sums a block folds in its look-back (ChunkArgs::lookback): chunk c starts from the
+/// statistics leaving chunk c - kLookback - 1 (or from a0), so that a sequence's chain of waits has a
+/// link per kLookback + 1 chunks.
+constexpr int kLookback = 8;
+
+/// Block blockIdx.x of the look-back's one-dimensional grid (ChunkArgs::lookback): its global chunk and
+/// value head, a chunk's predecessors at smaller indices (value heads fastest, then sequences, then the
+/// chunk index with equal-length sequences; value heads, then the global chunk with packed ones).
+__device__ __forceinline__ void lookback_item(const ChunkArgs& ca, int64_t* gc, int* hv) {
+  const int64_t x = blockIdx.x, r = x / ca.a.HV;
+  *hv = static_cast<int>(x % ca.a.HV);
+  *gc = ca.a.cu_seqlens ? r : (r % ca.a.N) * ca.chunks_per_seq + r / ca.a.N;
+}
+
+/// One 64-bit word of the look-back (ChunkArgs::lb), written and read whole by single accesses (relaxed,
+/// GPU scope: from L2, never a stale L1 line): x in the lower half, y (or 0) in the upper half with its
+/// sign bit set, so that a word is either zero (not yet written in this call) or complete.
+__device__ __forceinline__ void st_word(uint64_t* p, float x, float y = 0.f) {
+  const uint64_t w = (uint64_t(__float_as_uint(y) | 0x80000000u) << 32) | __float_as_uint(x);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_word(const uint64_t* p) {
+  uint64_t w;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+__device__ __forceinline__ bool word_written(uint64_t w) { return (w >> 63) != 0; }
+__device__ __forceinline__ float word_x(uint64_t w) { return __uint_as_float(static_cast<uint32_t>(w)); }
+__device__ __forceinline__ float word_y(uint64_t w) {
+  return __uint_as_float(static_cast<uint32_t>(w >> 32) & 0x7fffffffu);
+}
+
+/// One warp (lane: its lane) forms the weights of a chunk's statistics from zero (ChunkArgs::lookback):
+/// S[c] = sum_j w_j kn_j[c]^2 with w_j = beta_p,j prod_{l > j} e^g_p,l, from the rows' e^g_p and beta_p
+/// (s_gp, s_bp; rows past the chunk's end: 1 and 0) into s_w[0 .. C - 1], and the chunk's product of
+/// e^g_p into s_w[C] (suffix products over the lanes, two rows per lane).
+__device__ __forceinline__ void lookback_weights(const float* s_gp, const float* s_bp, float* s_w, int lane) {
+  static_assert(C == 64, "two rows per lane");
+  const float a0 = s_gp[2 * lane], a1 = s_gp[2 * lane + 1];
+  float x = a0 * a1;  // then the product over rows 2 lane .. C - 1
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const float up = __shfl_down_sync(0xffffffffu, x, d);
+    if (lane + d < 32) x *= up;
+  }
+  float next = __shfl_down_sync(0xffffffffu, x, 1);  // the product over rows 2 lane + 2 ..
+  if (lane == 31) next = 1.f;
+  s_w[2 * lane] = a1 * next * s_bp[2 * lane];
+  s_w[2 * lane + 1] = next * s_bp[2 * lane + 1];
+  if (lane == 0) s_w[C] = x;
+}
+
+/// The diagonal statistics entering chunk gc (value head hv, position p) for channel threadIdx.x, by the
+/// look-back of ChunkArgs::lookback, from the chunk's normalised k rows (sK, row stride LDK) and the
+/// weights of lookback_weights (s_w). Publishes the chunk's own product and statistics from zero, reads
+/// those of the kLookback chunks before it and the statistics leaving the one before them (again until
+/// all are written), folds them in chunk order, publishes the statistics leaving the chunk, and writes
+/// Ain and (the sequence's last chunk) aT. Every thread publishes and reads its channel's words by itself
+/// (no barrier, no fence).
+template <class Op>
+__device__ float lookback_ain(const ChunkArgs& ca, int64_t gc, int hv, const ChunkPos& p, const Op* sK,
+                              const float* s_w) {
+  const RecArgs& a = ca.a;
+  const int c = threadIdx.x, h = hv / a.group;
+  static_assert(kThreads == KP, "a thread per channel");
+  // Chunks s .. ci - 1 of the sequence (global g0 ..) are folded onto a0 (s = 0) or onto the statistics
+  // leaving chunk s - 1. Their words are read first, so that the loads' latency passes under the chunk's
+  // own sums; the words past m (and the entry word with s = 0) are read from valid places and ignored.
+  const int64_t e = gc * a.HV + hv, tiles = ca.chunk_bound * a.HV, stride = int64_t(a.HV) * KP;
+  uint64_t *lbS = ca.lb, *lbI = ca.lb + tiles * KP;
+  const int64_t ci = p.c, s = ci > kLookback ? ci - kLookback : 0, g0 = gc - ci + s;
+  const int m = static_cast<int>(ci - s);
+  const uint64_t* pS = lbS + (g0 * a.HV + hv) * KP + c;
+  const uint64_t* pI = s > 0 ? lbI + ((g0 - 1) * a.HV + hv) * KP + c : pS;
+  uint64_t w[kLookback], wi;
+  auto load_words = [&] {
+    wi = ld_word(pI);
+#pragma unroll
+    for (int u = 0; u < kLookback; ++u) w[u] = ld_word(pS + (u < m ? u : 0) * stride);
+  };
+  auto all_written = [&] {
+    bool ok = s == 0 || word_written(wi);
+#pragma unroll
+    for (int u = 0; u < kLookback; ++u) ok &= u >= m || word_written(w[u]);
+    return ok;
+  };
+  load_words();
+  // The chunk's own statistics from zero: 64 independent products.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int r = 0; r < C; r += 4) {
+    const float4 wv = *reinterpret_cast<const float4*>(s_w + r);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float x = to_float(sK[(r + u) * LDK + c]);
+      acc[u] = fmaf(f4_at(wv, u) * x, x, acc[u]);
+    }
+  }
+  const float S = (acc[0] + acc[1]) + (acc[2] + acc[3]), P = s_w[C];
+  st_word(lbS + e * KP + c, S, P);
+  while (!all_written()) load_words();
+  float X = s > 0 ? word_x(wi) : a.a0 && c < a.K ? a.a0[int64_t(p.n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+#pragma unroll
+  for (int u = 0; u < kLookback; ++u) X = u < m ? fmaf(word_y(w[u]), X, word_x(w[u])) : X;
+  const float A_out = fmaf(P, X, S);
+  st_word(lbI + e * KP + c, A_out);
+  if (hv % a.group == 0) {
+    if (ca.Ain) ca.Ain[(gc * a.H + h) * KP + c] = X;
+    if (a.aT && c < a.K) {
+      int64_t first, count, len;
+      seq_chunks(ca, p.n, &first, &count, &len);
+      if (ci == count - 1) a.aT[int64_t(p.n) * a.saT[0] + h * a.saT[1] + c] = A_out;
+    }
+  }
+  return X;
 }
 
 /// Inclusive prefix sums over a chunk's C = 64 values held two per lane (values 2 lane and 2 lane + 1
@@ -950,10 +1076,13 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   if (atk_nd || QUAD) sTm = reinterpret_cast<Op*>(sTh);  // Tm = Tinv Diag(beta), formed element by element in place
   __shared__ __align__(16) float s_gam[C], s_gp[C], s_bp[C], s_eg[C];
   __shared__ __align__(16) float s_beta[C];  // read 16 bytes at a time when Tm is formed
+  __shared__ __align__(16) float s_lbw[C + 4];  // the look-back's weights and product (lookback_weights)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t gc = blockIdx.x;
-  const int hv = blockIdx.y, h = hv / a.group;
+  int64_t gc = blockIdx.x;
+  int hv = blockIdx.y;
+  if (ca.lookback) lookback_item(ca, &gc, &hv);
+  const int h = hv / a.group;
   const ChunkPos p = chunk_pos(ca, gc);
   if (p.n < 0) return;
   const int L = p.L;
@@ -975,11 +1104,12 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
   // Diagonal preconditioner: the head's center now, and channel tid's statistics entering the chunk
   // (load_ain) once the q and k rows' loads are in flight, so that their latency overlaps the staging
   // instead of stalling the statistics' scan below. The statistics come from precond_scan_kernel, of
-  // which this kernel is a programmatic dependent launch on Hopper: it waits for it only there.
+  // which this kernel is a programmatic dependent launch on Hopper: it waits for it only there. (The
+  // forward's look-back, ChunkArgs::lookback, forms them after the rows are normalised: lookback_ain.)
   float A_in = 0.f, center = 0.f;
   if (has_p && tid < a.K) center = load_gate(a.center, h, a.gate_dtype);
   auto load_ain = [&] {
-    if (!has_p) return;
+    if (!has_p || ca.lookback) return;  // (the look-back forms A_in below)
     grid_dependency_wait();
     if (tid < a.K) A_in = ca.Ain[(gc * a.H + h) * KP + tid];
   };
@@ -1067,8 +1197,10 @@ __global__ void __launch_bounds__(kThreads, QUAD ? 4 : 3) intra_kernel(const Chu
     warp_scan_pairs(g0, g1, lane);
     s_gam[2 * lane] = g0, s_gam[2 * lane + 1] = g1;
   }
+  if (has_p && ca.lookback && warp == 1) lookback_weights(s_gp, s_bp, s_lbw, lane);
   __syncthreads();
   if (tid < C) s_eg[tid] = __expf(s_gam[tid]);
+  if (has_p && ca.lookback) A_in = lookback_ain(ca, gc, hv, p, sK, s_lbw);
   // Diagonal preconditioner: thread c scans channel c's statistics from the chunk's entry value.
   if (has_p) {
     const int c = tid;
@@ -2445,7 +2577,10 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   const RecArgs& a = ca.a;
   if (ca.chunk_bound == 0) return cudaSuccess;
   if (a.cu_seqlens) chunk_map_kernel<<<1, 256, 0, stream>>>(ca);
-  if (a.precond != kPrecondIdentity) {
+  if (a.precond != kPrecondIdentity && ca.lookback) {  // the intra-chunk kernel's look-back: its words zeroed
+    const cudaError_t e = cudaMemsetAsync(ca.lb, 0, lookback_bytes(ca), stream);
+    if (e != cudaSuccess) return e;
+  } else if (a.precond != kPrecondIdentity) {
     const int64_t items = ca.chunk_bound * a.H;
     constexpr auto sums = precond_sums_kernel<Tin, Op>;
     sums<<<static_cast<unsigned>(std::min<int64_t>(items, precond_sums_blocks(reinterpret_cast<const void*>(sums)))),
@@ -2462,10 +2597,12 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   ChunkArgs c = ca;
   c.blocked = wg_pass;
   const bool diag = a.decay == kDecayDiagonal;
-  const dim3 grid(static_cast<unsigned>(ca.chunk_bound), a.HV);
+  // (the look-back's grid is one-dimensional: lookback_item)
+  const dim3 grid = ca.lookback ? dim3(static_cast<unsigned>(ca.chunk_bound * a.HV))
+                                : dim3(static_cast<unsigned>(ca.chunk_bound), a.HV);
   // After the statistics' scan, a programmatic dependent launch (Hopper): the blocks stage their q and k
   // rows while the scan finishes.
-  const bool dependent = a.precond != kPrecondIdentity && programmatic_launch_supported();
+  const bool dependent = a.precond != kPrecondIdentity && !ca.lookback && programmatic_launch_supported();
   const int quad = intra_quad(c);
   constexpr auto quad_id = intra_kernel<Tin, Op, false, kQuadIdentity>;
   constexpr auto quad_atk = intra_kernel<Tin, Op, false, kQuadATK>;

@@ -527,16 +527,19 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
   }
 }
 
-/// The statistics' sums kernel is persistent (block b takes the (chunk, key head) items b, b + grid, ...,
-/// the next item's k rows in flight while it sums the current one). With DGPS_CUDA_SUMS_BLOCKS=3 every
-/// block takes many items in turn, among them a packed batch's chunks past its sequences' ends: the
-/// cp.async path (16-bit rows of 128: PGDN on packed sequences with an empty and a one-token one, PKDA),
-/// and the synchronous one (float32 inputs; K = 64: P-Mamba-2); then, without the knob, a problem with
-/// more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items, 792 blocks on an H200).
+/// (DGPS_CUDA_LOOKBACK=0 throughout: the forward's look-back replaces these kernels; the training forward
+/// and the backward keep them.) The statistics' sums kernel is persistent (block b takes the (chunk, key
+/// head) items b, b + grid, ..., the next item's k rows in flight while it sums the current one). With
+/// DGPS_CUDA_SUMS_BLOCKS=3 every block takes many items in turn, among them a packed batch's chunks past
+/// its sequences' ends: the cp.async path (16-bit rows of 128: PGDN on packed sequences with an empty and
+/// a one-token one, PKDA), and the synchronous one (float32 inputs; K = 64: P-Mamba-2); then, without
+/// the knob, a problem with more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items,
+/// 792 blocks on an H200).
 void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
   const dgps::Algorithm alg = g_alg;
   g_alg = dgps::Algorithm::chunkwise;
   uint64_t seed = 7100;
+  setenv("DGPS_CUDA_LOOKBACK", "0", 1);  // (the forward's default forms the statistics in the intra-chunk kernel)
   setenv("DGPS_CUDA_SUMS_BLOCKS", "3", 1);
   Case pg = make_random("pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
                         {0, 1, 70, 70, 200, 300}, seed++);
@@ -559,6 +562,7 @@ void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
                            seed++);
     compare("chunk/sums/pgdn/B1T8192H8", big, DType::bf16, DType::bf16, ws, nullptr);
   }
+  unsetenv("DGPS_CUDA_LOOKBACK");
   g_alg = alg;
 }
 
@@ -639,6 +643,61 @@ void public_api() {
 
 }  // namespace
 
+/// The statistics entering each chunk by the intra-chunk kernel's look-back (ChunkArgs::lookback, the
+/// forward's default with a diagonal preconditioner) against the sums and scan kernels
+/// (DGPS_CUDA_LOOKBACK=0): the same statistics up to float32 association and the sums kernel's unrounded
+/// keys (aT within 1e-5 of each other relative to its largest element for float32 inputs, 4e-3 for 16-bit
+/// ones), both within the reference's tolerance, and two runs of the look-back
+/// give the same bits (its folds' order is fixed). Sequences longer than kLookback + 1 = 9 chunks (the
+/// chain through the statistics leaving earlier chunks), packed sequences with an empty one (its aT is a0)
+/// and a one-token one, GVA, each intra-chunk layout that forms statistics (PGDN and PDN quad, PKDA lean,
+/// P-Mamba-2 standard with DiagonalATQ), 16-bit and float32 inputs.
+void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
+  const dgps::Algorithm alg = g_alg;
+  g_alg = dgps::Algorithm::chunkwise;
+  struct LbCase {
+    const char* model;
+    dgps::Shape shape;
+    std::vector<int64_t> cu;
+    DType d;
+  };
+  const LbCase cases[] = {
+      {"pgdn", {.batch = 2, .time = 2500, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {}, DType::bf16},
+      {"pgdn", {.batch = 1, .time = 2900, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
+       {0, 1, 1300, 1300, 2900}, DType::bf16},
+      {"pkda", {.batch = 1, .time = 2000, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128},
+       {0, 700, 700, 701, 2000}, DType::bf16},
+      {"pdn", {.batch = 3, .time = 1200, .heads = 8, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {}, DType::f16},
+      {"pmamba2", {.batch = 2, .time = 1500, .heads = 4, .v_heads = 4, .key_dim = 64, .value_dim = 64}, {}, DType::f32},
+  };
+  uint64_t seed = 7400;
+  for (const LbCase& k : cases) {
+    const std::string name = std::string("chunk/lookback/") + k.model + (k.cu.empty() ? "" : "/varlen");
+    Case c = make_random(k.model, k.shape, k.cu, seed++);
+    if (std::string(k.model) == "pmamba2") c.opt.l2norm_qk = false, c.opt.scale = 0.03;
+    std::string impl[3];
+    Arrays got[3];
+    for (int r = 0; r < 3; ++r) {  // the look-back twice, then the sums and scan kernels
+      if (r == 2) setenv("DGPS_CUDA_LOOKBACK", "0", 1);
+      got[r] = gpu_forward(c, k.d, DType::f32, ws, &impl[r]);
+      unsetenv("DGPS_CUDA_LOOKBACK");
+    }
+    compare(name, c, k.d, DType::f32, ws, nullptr);
+    for (const auto& [t, x] : got[0]) {
+      size_t diff = 0;
+      for (size_t i = 0; i < x.size(); ++i) diff += !(x[i] == got[1].at(t)[i]);
+      report_check(diff == 0, name + ": " + t + " the same bits in two runs (" + std::to_string(diff) + " of " +
+                                  std::to_string(x.size()) + " differ)");
+    }
+    // (the sums kernel squares the k rows as read, times their inverse norms; the look-back the normalised
+    // rows rounded to 16 bits, as the statistics' loop does: 2^-8 apart at most for 16-bit inputs)
+    report(name, "aT look-back vs sums and scan", dgps_test::rel_err(got[0].at("aT"), got[2].at("aT")),
+           k.d == DType::f32 ? 1e-5 : 4e-3, impl[0]);
+    if (quick) break;
+  }
+  g_alg = alg;
+}
+
 /// DiagonalATK's write keys formed by the warpgroup state pass (ChunkArgs::kw_state, the default for
 /// PGDN and PDN with 16-bit inputs and K = V = 128 on Hopper, variant "/kw") from its raw k rows, against
 /// the intra-chunk kernel's KW tiles (DGPS_CUDA_KW_STATE=0): both form them by the same operations on the
@@ -718,6 +777,7 @@ int main(int argc, char** argv) {
     random_cases(ws, quick);
     chunkwise_cases(ws, quick);
     sums_cases(ws, quick);
+    lookback_cases(ws, quick);
     kw_state_cases(ws, quick);
     for (const char* m : {"pgdn", "pkda"}) {
       chunk_graph_case(m, 4242, ws);
