@@ -643,25 +643,39 @@ void public_api() {
 
 }  // namespace
 
+/// A model, shape, packed sequences (none: a batch) and input type of the cases that set one variant
+/// against another, with a knob set around the case ("VAR=value": DGPS_CUDA_VAR; none: "").
+struct VariantCase {
+  const char* model;
+  dgps::Shape shape;
+  std::vector<int64_t> cu;
+  DType d;
+  const char* knob = "";
+};
+
+/// One check per output tensor that two runs' outputs `a` and `b` agree bit for bit (`how`: the two runs).
+void same_bits(const std::string& name, const Arrays& a, const Arrays& b, const std::string& how) {
+  for (const auto& [t, x] : a) {
+    size_t diff = 0;
+    for (size_t i = 0; i < x.size(); ++i) diff += !(x[i] == b.at(t)[i]);
+    report_check(diff == 0, name + ": " + t + " the same bits " + how + " (" + std::to_string(diff) + " of " +
+                                std::to_string(x.size()) + " differ)");
+  }
+}
+
 /// The statistics entering each chunk by the intra-chunk kernel's look-back (ChunkArgs::lookback, the
 /// forward's default with a diagonal preconditioner) against the sums and scan kernels
 /// (DGPS_CUDA_LOOKBACK=0): the same statistics up to float32 association and the sums kernel's unrounded
 /// keys (aT within 1e-5 of each other relative to its largest element for float32 inputs, 4e-3 for 16-bit
-/// ones), both within the reference's tolerance, and two runs of the look-back
-/// give the same bits (its folds' order is fixed). Sequences longer than kLookback + 1 = 9 chunks (the
-/// chain through the statistics leaving earlier chunks), packed sequences with an empty one (its aT is a0)
-/// and a one-token one, GVA, each intra-chunk layout that forms statistics (PGDN and PDN quad, PKDA lean,
-/// P-Mamba-2 standard with DiagonalATQ), 16-bit and float32 inputs.
+/// ones), both within the reference's tolerance, and two runs of the look-back give the same bits (its
+/// folds' order is fixed). Sequences longer than kLookback + 1 = 9 chunks (the chain through the
+/// statistics leaving earlier chunks), packed sequences with an empty one (its aT is a0) and a one-token
+/// one, GVA, each intra-chunk layout that forms statistics (PGDN and PDN quad, PKDA lean, P-Mamba-2
+/// standard with DiagonalATQ), 16-bit and float32 inputs.
 void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
   const dgps::Algorithm alg = g_alg;
   g_alg = dgps::Algorithm::chunkwise;
-  struct LbCase {
-    const char* model;
-    dgps::Shape shape;
-    std::vector<int64_t> cu;
-    DType d;
-  };
-  const LbCase cases[] = {
+  const VariantCase cases[] = {
       {"pgdn", {.batch = 2, .time = 2500, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {}, DType::bf16},
       {"pgdn", {.batch = 1, .time = 2900, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
        {0, 1, 1300, 1300, 2900}, DType::bf16},
@@ -671,7 +685,7 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
       {"pmamba2", {.batch = 2, .time = 1500, .heads = 4, .v_heads = 4, .key_dim = 64, .value_dim = 64}, {}, DType::f32},
   };
   uint64_t seed = 7400;
-  for (const LbCase& k : cases) {
+  for (const VariantCase& k : cases) {
     const std::string name = std::string("chunk/lookback/") + k.model + (k.cu.empty() ? "" : "/varlen");
     Case c = make_random(k.model, k.shape, k.cu, seed++);
     if (std::string(k.model) == "pmamba2") c.opt.l2norm_qk = false, c.opt.scale = 0.03;
@@ -683,12 +697,7 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
       unsetenv("DGPS_CUDA_LOOKBACK");
     }
     compare(name, c, k.d, DType::f32, ws, nullptr);
-    for (const auto& [t, x] : got[0]) {
-      size_t diff = 0;
-      for (size_t i = 0; i < x.size(); ++i) diff += !(x[i] == got[1].at(t)[i]);
-      report_check(diff == 0, name + ": " + t + " the same bits in two runs (" + std::to_string(diff) + " of " +
-                                  std::to_string(x.size()) + " differ)");
-    }
+    same_bits(name, got[0], got[1], "in two runs");
     // (the sums kernel squares the k rows as read, times their inverse norms; the look-back the normalised
     // rows rounded to 16 bits, as the statistics' loop does: 2^-8 apart at most for 16-bit inputs)
     report(name, "aT look-back vs sums and scan", dgps_test::rel_err(got[0].at("aT"), got[2].at("aT")),
@@ -709,14 +718,7 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
 void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
   const dgps::Algorithm alg = g_alg;
   g_alg = dgps::Algorithm::chunkwise;
-  struct KwCase {
-    const char* model;
-    dgps::Shape shape;
-    std::vector<int64_t> cu;
-    DType d;
-    const char* knob;  // "TMA=0" or "SPLIT=3" (or none)
-  };
-  const KwCase cases[] = {
+  const VariantCase cases[] = {  // (knobs: "TMA=0" or "SPLIT=3", or none)
       {"pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
        {0, 1, 70, 70, 200, 300}, DType::bf16, ""},
       {"pdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
@@ -727,7 +729,7 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
        "SPLIT=3"},
   };
   uint64_t seed = 7300;
-  for (const KwCase& k : cases) {
+  for (const VariantCase& k : cases) {
     const std::string knob = k.knob, var = "DGPS_CUDA_" + knob.substr(0, knob.find('='));
     const std::string name = std::string("chunk/kw_state/") + k.model + "/" + (knob.empty() ? "-" : knob);
     if (!knob.empty()) setenv(var.c_str(), knob.substr(knob.find('=') + 1).c_str(), 1);
@@ -744,12 +746,7 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
     auto kw = [](const std::string& s) { return s.find("/rv/kw") != std::string::npos; };
     report_check(kw(impl[0]) && !kw(impl[1]) && kw(dflt) == !split,
                  name + ": variants " + impl[0] + ", " + impl[1] + ", by default " + dflt);
-    for (const auto& [t, x] : got[0]) {
-      size_t diff = 0;
-      for (size_t i = 0; i < x.size(); ++i) diff += !(x[i] == got[1].at(t)[i]);
-      report_check(diff == 0, name + ": " + t + " the same bits with and without kw_state (" + std::to_string(diff) +
-                                  " of " + std::to_string(x.size()) + " differ)");
-    }
+    same_bits(name, got[0], got[1], "with and without kw_state");
     if (!knob.empty()) unsetenv(var.c_str());
     if (quick) break;
   }
