@@ -259,6 +259,15 @@ __device__ __forceinline__ void seq_chunks(const ChunkArgs& ca, int n, int64_t* 
   }
 }
 
+/// Sequence n's diagonal statistics on entry for key head h, channel c: a0's, or 0 without a0 or past K.
+__device__ __forceinline__ float stats_entry(const RecArgs& a, int64_t n, int h, int c) {
+  return a.a0 && c < a.K ? a.a0[n * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+}
+/// Writes sequence n's final diagonal statistics A for key head h, channel c to aT (where given, c < K).
+__device__ __forceinline__ void stats_final(const RecArgs& a, int64_t n, int h, int c, float A) {
+  if (a.aT && c < a.K) a.aT[n * a.saT[0] + h * a.saT[1] + c] = A;
+}
+
 /// The chunk list of a packed batch: first[n] (prefix of ceil(len_n / C)) and map[gc] = (n, c).
 __global__ void chunk_map_kernel(const ChunkArgs ca) {
   const int N = ca.a.N;
@@ -281,8 +290,7 @@ __global__ void chunk_map_kernel(const ChunkArgs ca) {
   for (int64_t e = threadIdx.x; e < int64_t(N) * a.H * a.K; e += blockDim.x) {
     const int n = static_cast<int>(e / (int64_t(a.H) * a.K)), h = static_cast<int>(e / a.K % a.H),
               c = static_cast<int>(e % a.K);
-    if (ca.first[n + 1] == ca.first[n])
-      a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = a.a0 ? a.a0[int64_t(n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+    if (ca.first[n + 1] == ca.first[n]) stats_final(a, n, h, c, stats_entry(a, n, h, c));
   }
 }
 
@@ -387,17 +395,17 @@ __device__ float lookback_ain(const ChunkArgs& ca, int64_t gc, int hv, const Chu
   const float S = (acc[0] + acc[1]) + (acc[2] + acc[3]), P = s_w[C];
   st_word(lbS + e * KP + c, S, P);
   while (!all_written()) load_words();
-  float X = s > 0 ? word_x(wi) : a.a0 && c < a.K ? a.a0[int64_t(p.n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
+  float X = s > 0 ? word_x(wi) : stats_entry(a, p.n, h, c);
 #pragma unroll
   for (int u = 0; u < kLookback; ++u) X = u < m ? fmaf(word_y(w[u]), X, word_x(w[u])) : X;
   const float A_out = fmaf(P, X, S);
   st_word(lbI + e * KP + c, A_out);
   if (hv % a.group == 0) {
     if (ca.Ain) ca.Ain[(gc * a.H + h) * KP + c] = X;
-    if (a.aT && c < a.K) {
+    if (a.aT) {
       int64_t first, count, len;
       seq_chunks(ca, p.n, &first, &count, &len);
-      if (ci == count - 1) a.aT[int64_t(p.n) * a.saT[0] + h * a.saT[1] + c] = A_out;
+      if (ci == count - 1) stats_final(a, p.n, h, c, A_out);
     }
   }
   return X;
@@ -675,10 +683,9 @@ __global__ void __launch_bounds__(kThreads) precond_scan_kernel(const ChunkArgs 
   const int n = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
-  float A = (a.a0 && c < a.K) ? a.a0[int64_t(n) * a.sa0[0] + h * a.sa0[1] + c] : 0.f;
   const int64_t e0 = (first * a.H + h) * KP + c;
-  A = scan_chunk_sums<false>(ca.sums + e0, ca.Ain + e0, int64_t(a.H) * KP, count, A);
-  if (a.aT && c < a.K) a.aT[int64_t(n) * a.saT[0] + h * a.saT[1] + c] = A;
+  stats_final(a, n, h, c, scan_chunk_sums<false>(ca.sums + e0, ca.Ain + e0, int64_t(a.H) * KP, count,
+                                                 stats_entry(a, n, h, c)));
 }
 
 /// One warp's 16 rows of A X (A's fragments over the C-long inner dimension in `fa`, X row-major
@@ -2577,7 +2584,7 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   const RecArgs& a = ca.a;
   if (ca.chunk_bound == 0) return cudaSuccess;
   if (a.cu_seqlens) chunk_map_kernel<<<1, 256, 0, stream>>>(ca);
-  if (a.precond != kPrecondIdentity && ca.lookback) {  // the intra-chunk kernel's look-back: its words zeroed
+  if (ca.lookback) {  // (a diagonal preconditioner's statistics by the intra-chunk kernel: its words zeroed)
     const cudaError_t e = cudaMemsetAsync(ca.lb, 0, lookback_bytes(ca), stream);
     if (e != cudaSuccess) return e;
   } else if (a.precond != kPrecondIdentity) {
