@@ -213,8 +213,9 @@ struct ChunkArgs {
   float* Ain = nullptr;    ///< [chunk_bound, H, 128] statistics entering each chunk
   /// Forward with a diagonal preconditioner: the intra-chunk kernel forms the statistics entering each
   /// chunk itself by a look-back over the previous chunks (no sums or scan kernel, so k is read once), and
-  /// writes Ain (for the state pass) and aT. Each block publishes its chunk's statistics from zero with
-  /// the chunk's product of e^g_p and, once it has the statistics entering the chunk, those leaving it
+  /// writes aT and, with kw_state, Ain (the warpgroup pass forms the write keys from it). Each block
+  /// publishes its chunk's statistics from zero with the chunk's product of e^g_p and, once it has the
+  /// statistics entering the chunk, those leaving it
   /// (tagged 64-bit words, one per channel: no barrier, no fence); chunk c folds the words of chunks
   /// max(c - kLookback, 0) .. c - 1 onto a0 or onto the statistics leaving the chunk before them, always
   /// in that order (the same bits in every run). The grid is one-dimensional, its blocks ordered so that
