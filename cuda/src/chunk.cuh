@@ -215,8 +215,8 @@ struct ChunkArgs {
   /// chunk itself by a look-back over the previous chunks (no sums or scan kernel, so k is read once), and
   /// writes aT and, with kw_state, Ain (the warpgroup pass forms the write keys from it). Each block
   /// publishes its chunk's statistics from zero with the chunk's product of e^g_p and, once it has the
-  /// statistics entering the chunk, those leaving it
-  /// (tagged 64-bit words, one per channel: no barrier, no fence); chunk c folds the words of chunks
+  /// statistics entering the chunk, those leaving it (tagged 64-bit words, one per channel: no barrier,
+  /// no fence); chunk c folds the words of chunks
   /// max(c - kLookback, 0) .. c - 1 onto a0 or onto the statistics leaving the chunk before them, always
   /// in that order (the same bits in every run). The grid is one-dimensional, its blocks ordered so that
   /// a chunk's predecessors have smaller indices (chunk index major with equal-length sequences, global

@@ -347,13 +347,13 @@ __device__ __forceinline__ void lookback_weights(const float* s_gp, const float*
   if (lane == 0) s_w[C] = x;
 }
 
-/// The diagonal statistics entering chunk gc (value head hv, position p) for channel threadIdx.x, by the
-/// look-back of ChunkArgs::lookback, from the chunk's normalised k rows (sK, row stride LDK) and the
-/// weights of lookback_weights (s_w). Publishes the chunk's own product and statistics from zero, reads
-/// those of the kLookback chunks before it and the statistics leaving the one before them (again until
-/// all are written), folds them in chunk order, publishes the statistics leaving the chunk, and writes
-/// Ain and (the sequence's last chunk) aT. Every thread publishes and reads its channel's words by itself
-/// (no barrier, no fence).
+/// The diagonal statistics entering chunk gc (value head hv, key head h, position p) for channel
+/// threadIdx.x, by the look-back of ChunkArgs::lookback, from the chunk's normalised k rows (sK, row stride
+/// LDK) and the weights of lookback_weights (s_w). Publishes the chunk's own product and statistics from
+/// zero, reads those of the kLookback chunks before it and the statistics leaving the one before them
+/// (again until all are written), folds them in chunk order, publishes the statistics leaving the chunk,
+/// and writes aT (the sequence's last chunk) and, with kw_state, Ain. Every thread publishes and reads its
+/// channel's words by itself (no barrier, no fence).
 template <class Op>
 __device__ float lookback_ain(const ChunkArgs& ca, int64_t gc, int hv, int h, const ChunkPos& p, const Op* sK,
                               const float* s_w) {

@@ -704,8 +704,8 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
            k.d == DType::f32 ? 1e-5 : 4e-3, impl[0]);
     if (quick) break;
   }
-  {  // A third of the rows with negative beta_p: statistics below -eps, where the squash clamps (M = x, as
-     // the reference); the kernels skip the clamp only where every beta_p and the entry statistics are >= 0.
+  {  // A third of the rows with negative beta_p: statistics below -eps, where the squash clamps to M = x as
+     // the reference does (the look-back's words and folds carry negative statistics too).
     const dgps::Shape shape{.batch = 2, .time = 700, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128};
     Case c = make_random("pgdn", shape, {}, seed++);
     std::vector<double>& bp = c.arr.at("beta_p");
