@@ -216,12 +216,12 @@ struct ChunkArgs {
   /// writes aT and, with kw_state, Ain (the warpgroup pass forms the write keys from it). Each block
   /// publishes its chunk's statistics from zero with the chunk's product of e^g_p and, once it has the
   /// statistics entering the chunk, those leaving it (tagged 64-bit words, one per channel: no barrier,
-  /// no fence); chunk c folds the words of chunks
-  /// max(c - kLookback, 0) .. c - 1 onto a0 or onto the statistics leaving the chunk before them, always
-  /// in that order (the same bits in every run). The grid is one-dimensional, its blocks ordered so that
-  /// a chunk's predecessors have smaller indices (chunk index major with equal-length sequences, global
-  /// chunk major with packed ones): a block waits only on blocks dispatched before it. The workspace
-  /// has no sums then. DGPS_CUDA_LOOKBACK=0 keeps the sums and scan kernels (a testing and benchmarking knob).
+  /// no fence); chunk c folds the words of chunks max(c - kLookback, 0) .. c - 1 onto a0 or onto the
+  /// statistics leaving the chunk before them, always in that order (the same bits in every run). The
+  /// grid is one-dimensional, its blocks ordered so that a chunk's predecessors have smaller indices
+  /// (chunk index major with equal-length sequences, global chunk major with packed ones): a block waits
+  /// only on blocks dispatched before it. The workspace has no sums then (nor Ain without kw_state).
+  /// DGPS_CUDA_LOOKBACK=0 keeps the sums and scan kernels (a testing and benchmarking knob).
   bool lookback = false;
   /// [2, chunk_bound, HV, 128] words (st_word; zeroed per call): the chunks' statistics from zero with
   /// their products of e^g_p, then the statistics leaving them

@@ -93,7 +93,8 @@ size_t chunk_workspace(ChunkArgs& c, void* base) {
   const size_t stats = size_t(c.chunk_bound) * size_t(a.H) * kChunkKeys;
   c.sums = reinterpret_cast<float2*>(take(diag && !c.lookback ? sizeof(float2) * stats : 0));
   c.lb = reinterpret_cast<uint64_t*>(take(diag && c.lookback ? lookback_bytes(c) : 0));
-  c.Ain = reinterpret_cast<float*>(take(diag ? sizeof(float) * stats : 0));
+  // (the look-back writes Ain only for the warpgroup pass's write keys, ChunkArgs::kw_state)
+  c.Ain = reinterpret_cast<float*>(take(diag && (!c.lookback || c.kw_state) ? sizeof(float) * stats : 0));
   if (c.bwd) {
     c.Kn = take(op * tiles * kChunk * kChunkKeys);
     c.T2 = take(op * tiles * kChunk * kChunk);

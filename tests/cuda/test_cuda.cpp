@@ -668,10 +668,11 @@ void same_bits(const std::string& name, const Arrays& a, const Arrays& b, const 
 /// (DGPS_CUDA_LOOKBACK=0): the same statistics up to float32 association and the sums kernel's unrounded
 /// keys (aT within 1e-5 of each other relative to its largest element for float32 inputs, 4e-3 for 16-bit
 /// ones), both within the reference's tolerance, and two runs of the look-back give the same bits (its
-/// folds' order is fixed). Sequences longer than kLookback + 1 = 9 chunks (the chain through the
+/// folds' order is fixed). Sequences longer than kLookback + 1 = 5 chunks (the chain through the
 /// statistics leaving earlier chunks), packed sequences with an empty one (its aT is a0) and a one-token
 /// one, GVA, each intra-chunk layout that forms statistics (PGDN and PDN quad, PKDA lean, P-Mamba-2
-/// standard with DiagonalATQ), 16-bit and float32 inputs.
+/// standard with DiagonalATQ), 16-bit and float32 inputs; then PGDN with negative beta_p against the
+/// reference.
 void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
   const dgps::Algorithm alg = g_alg;
   g_alg = dgps::Algorithm::chunkwise;
