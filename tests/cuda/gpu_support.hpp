@@ -118,10 +118,18 @@ inline std::vector<double> download(const DevBuf& b, size_t n, DType d, size_t o
   return out;
 }
 
-/// A device buffer of `bytes` filled with 0xff (NaN in every float type), so missing writes show.
+/// Fills `bytes` bytes at `p` with 0xff (NaN in every float type) and waits for it: cudaMemset runs on
+/// the legacy default stream, asynchronously to the host, and work on a non-blocking stream (a graph's
+/// replay) does not wait for it, so an unwaited poison could land after the outputs were written.
+inline void poison(void* p, size_t bytes) {
+  check_cuda(cudaMemset(p, 0xff, bytes), "poison");
+  check_cuda(cudaDeviceSynchronize(), "poison");
+}
+
+/// A device buffer of `bytes` filled with 0xff (poison), so missing writes show.
 inline DevBuf poisoned(size_t bytes) {
   DevBuf b(bytes);
-  check_cuda(cudaMemset(b.p, 0xff, b.bytes), "poison");
+  poison(b.p, b.bytes);
   return b;
 }
 

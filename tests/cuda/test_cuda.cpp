@@ -421,7 +421,7 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
   DevBuf hp = upload(hpool, DType::f32), ap = upload(apool, DType::f32);
   DevBuf sl(slots.size() * 8), o(size_t(N * Tn * HV * V) * elem_size(d));
   check_cuda(cudaMemcpy(sl.p, slots.data(), sl.bytes, cudaMemcpyHostToDevice), "slots");
-  check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
+  poison(o.p, o.bytes);
   dgps::cuda::Params p;
   p.spec = c.spec;
   p.dtype = d;
@@ -608,8 +608,8 @@ void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& w
   report(name, "aT", dgps_test::rel_err(first[2], ref.at("aT")), tolerance(d), impl);
   CapturedGraph graph([&](cudaStream_t s) { dgps::cuda::forward(p, ws, s); });
   for (int r = 0; r < 3; ++r) {
-    check_cuda(cudaMemset(o.p, 0xff, o.bytes), "poison");
-    check_cuda(cudaMemset(aT.p, 0xff, aT.bytes), "poison");
+    poison(o.p, o.bytes);
+    poison(aT.p, aT.bytes);
     graph.replay();
     check_run("graph replay " + std::to_string(r + 1), impl);
   }
@@ -762,6 +762,38 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
   g_alg = alg;
 }
 
+/// The chunkwise kernels' squash (squash_fast) away from the default bound x = 1.5 of every other case:
+/// x = 0.7 (M above 1 for large statistics) and x = 3 (M in [1/3, 3]), PGDN and PKDA against the float64
+/// reference, and PGDN's write keys formed by the state pass's warpgroup (kw_state) and by the intra-chunk
+/// kernel giving the same bits.
+void squash_cases(dgps::cuda::Workspace& ws) {
+  const dgps::Algorithm alg = g_alg;
+  g_alg = dgps::Algorithm::chunkwise;
+  // (5 x 32 (sequence, value head) pairs: enough for the pass's 128-column tiles, which kw_state needs)
+  const dgps::Shape shape{.batch = 5, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128};
+  uint64_t seed = 7500;
+  for (const double x : {0.7, 3.0}) {
+    for (const char* m : {"pgdn", "pkda"}) {
+      Case c = make_random(m, shape, {}, seed++);
+      c.opt.x = x;
+      const std::string name = std::string("chunk/squash/") + m + "/x=" + (x < 1 ? "0.7" : "3");
+      compare(name, c, DType::bf16, DType::f32, ws, nullptr);
+      if (std::string(m) != "pgdn") continue;
+      Arrays got[2];
+      std::string impl[2];
+      for (int off = 0; off < 2; ++off) {
+        setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
+        got[off] = gpu_forward(c, DType::bf16, DType::f32, ws, &impl[off]);
+        unsetenv("DGPS_CUDA_KW_STATE");
+      }
+      auto kw = [](const std::string& s) { return s.find("/rv/kw") != std::string::npos; };
+      report_check(kw(impl[0]) && !kw(impl[1]), name + ": variants " + impl[0] + ", " + impl[1]);
+      same_bits(name, got[0], got[1], "with and without kw_state");
+    }
+  }
+  g_alg = alg;
+}
+
 int main(int argc, char** argv) {
   if (!dgps::cuda::available() || !dgps::cuda_available()) {
     std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
@@ -785,6 +817,7 @@ int main(int argc, char** argv) {
     sums_cases(ws, quick);
     lookback_cases(ws, quick);
     kw_state_cases(ws, quick);
+    squash_cases(ws);
     for (const char* m : {"pgdn", "pkda"}) {
       chunk_graph_case(m, 4242, ws);
       if (quick) break;
