@@ -5,6 +5,7 @@
 /// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer);
 /// `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -716,6 +717,23 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
   g_alg = alg;
 }
 
+/// True when the variant `impl` formed DiagonalATK's write keys in the warpgroup state pass (kw_state).
+bool is_kw_state(const std::string& impl) { return impl.find("/rv/kw") != std::string::npos; }
+
+/// Runs case c (input type d) with the write keys formed by the state pass (DGPS_CUDA_KW_STATE=1) and by
+/// the intra-chunk kernel (=0), checks that o, hT and aT agree bit for bit, and returns the two variants.
+std::array<std::string, 2> kw_state_pair(const std::string& name, const Case& c, DType d, dgps::cuda::Workspace& ws) {
+  std::array<std::string, 2> impl;
+  Arrays got[2];
+  for (int off = 0; off < 2; ++off) {
+    setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
+    got[off] = gpu_forward(c, d, DType::f32, ws, &impl[off]);
+    unsetenv("DGPS_CUDA_KW_STATE");
+  }
+  same_bits(name, got[0], got[1], "with and without kw_state");
+  return impl;
+}
+
 /// DiagonalATK's write keys formed by the warpgroup state pass (ChunkArgs::kw_state, the default for
 /// PGDN and PDN with 16-bit inputs and K = V = 128 on Hopper, variant "/kw") from its raw k rows, against
 /// the intra-chunk kernel's KW tiles (DGPS_CUDA_KW_STATE=0): both form them by the same operations on the
@@ -743,19 +761,11 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
     const std::string name = std::string("chunk/kw_state/") + k.model + "/" + (knob.empty() ? "-" : knob);
     if (!knob.empty()) setenv(var.c_str(), knob.substr(knob.find('=') + 1).c_str(), 1);
     const Case c = make_random(k.model, k.shape, k.cu, seed++);
-    std::string impl[2];
-    Arrays got[2];
-    for (int off = 0; off < 2; ++off) {
-      setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
-      got[off] = gpu_forward(c, k.d, DType::f32, ws, &impl[off]);
-      unsetenv("DGPS_CUDA_KW_STATE");
-    }
+    const std::array<std::string, 2> impl = kw_state_pair(name, c, k.d, ws);
     const std::string dflt = compare(name, c, k.d, DType::f32, ws, nullptr);
     const bool split = knob.rfind("SPLIT", 0) == 0;
-    auto kw = [](const std::string& s) { return s.find("/rv/kw") != std::string::npos; };
-    report_check(kw(impl[0]) && !kw(impl[1]) && kw(dflt) == !split,
+    report_check(is_kw_state(impl[0]) && !is_kw_state(impl[1]) && is_kw_state(dflt) == !split,
                  name + ": variants " + impl[0] + ", " + impl[1] + ", by default " + dflt);
-    same_bits(name, got[0], got[1], "with and without kw_state");
     if (!knob.empty()) unsetenv(var.c_str());
     if (quick) break;
   }
@@ -779,16 +789,8 @@ void squash_cases(dgps::cuda::Workspace& ws) {
       const std::string name = std::string("chunk/squash/") + m + "/x=" + (x < 1 ? "0.7" : "3");
       compare(name, c, DType::bf16, DType::f32, ws, nullptr);
       if (std::string(m) != "pgdn") continue;
-      Arrays got[2];
-      std::string impl[2];
-      for (int off = 0; off < 2; ++off) {
-        setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
-        got[off] = gpu_forward(c, DType::bf16, DType::f32, ws, &impl[off]);
-        unsetenv("DGPS_CUDA_KW_STATE");
-      }
-      auto kw = [](const std::string& s) { return s.find("/rv/kw") != std::string::npos; };
-      report_check(kw(impl[0]) && !kw(impl[1]), name + ": variants " + impl[0] + ", " + impl[1]);
-      same_bits(name, got[0], got[1], "with and without kw_state");
+      const std::array<std::string, 2> impl = kw_state_pair(name, c, DType::bf16, ws);
+      report_check(is_kw_state(impl[0]) && !is_kw_state(impl[1]), name + ": variants " + impl[0] + ", " + impl[1]);
     }
   }
   g_alg = alg;
