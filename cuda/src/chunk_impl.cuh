@@ -296,8 +296,8 @@ __global__ void chunk_map_kernel(const ChunkArgs ca) {
 
 /// Chunks whose own sums a block folds in its look-back (ChunkArgs::lookback): chunk c starts from the
 /// statistics leaving chunk c - kLookback - 1 (or from a0), so that a sequence's chain of waits has a
-/// link per kLookback + 1 chunks. (4 against 8: 4 word loads and 4 folds fewer per thread; PGDN B=8 0.995,
-/// PKDA 0.980-0.989 of the time, the long sequence unchanged.)
+/// link per kLookback + 1 chunks. (4 against 8: 4 word loads and 4 folds fewer per thread; PGDN 0.988-1.003,
+/// PKDA 0.985-0.993 of the time over two leases; 2 was slower at T = 32768.)
 constexpr int kLookback = 4;
 
 /// Block blockIdx.x of the look-back's one-dimensional grid (ChunkArgs::lookback): its global chunk and

@@ -21,6 +21,16 @@ using namespace dgps_gpu_test;
 /// The algorithm the GPU runs in gpu_forward (tests switch it per section).
 dgps::Algorithm g_alg = dgps::Algorithm::automatic;
 
+/// Forces the chunkwise algorithm in gpu_forward for its lifetime (a section's cases), then restores
+/// the algorithm it found.
+struct ForceChunkwise {
+  dgps::Algorithm saved = g_alg;
+  ForceChunkwise() { g_alg = dgps::Algorithm::chunkwise; }
+  ~ForceChunkwise() { g_alg = saved; }
+  ForceChunkwise(const ForceChunkwise&) = delete;
+  ForceChunkwise& operator=(const ForceChunkwise&) = delete;
+};
+
 /// Runs the case on the GPU with input type d and gate type gd; outputs poisoned with NaN first.
 Arrays gpu_forward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws, std::string* impl) {
   const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, HV = c.shape.v_heads,
@@ -537,8 +547,7 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
 /// the knob, a problem with more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items,
 /// 792 blocks on an H200).
 void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
-  const dgps::Algorithm alg = g_alg;
-  g_alg = dgps::Algorithm::chunkwise;
+  const ForceChunkwise chunkwise;
   uint64_t seed = 7100;
   setenv("DGPS_CUDA_LOOKBACK", "0", 1);  // (the forward's default forms the statistics in the intra-chunk kernel)
   setenv("DGPS_CUDA_SUMS_BLOCKS", "3", 1);
@@ -564,7 +573,6 @@ void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
     compare("chunk/sums/pgdn/B1T8192H8", big, DType::bf16, DType::bf16, ws, nullptr);
   }
   unsetenv("DGPS_CUDA_LOOKBACK");
-  g_alg = alg;
 }
 
 /// The chunkwise forward of a model with a diagonal preconditioner on packed sequences of 40, 0 and 64
@@ -675,8 +683,7 @@ void same_bits(const std::string& name, const Arrays& a, const Arrays& b, const 
 /// standard with DiagonalATQ), 16-bit and float32 inputs; then PGDN with negative beta_p against the
 /// reference.
 void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
-  const dgps::Algorithm alg = g_alg;
-  g_alg = dgps::Algorithm::chunkwise;
+  const ForceChunkwise chunkwise;
   const VariantCase cases[] = {
       {"pgdn", {.batch = 2, .time = 2500, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {}, DType::bf16},
       {"pgdn", {.batch = 1, .time = 2900, .heads = 16, .v_heads = 16, .key_dim = 128, .value_dim = 128},
@@ -714,7 +721,6 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
     for (size_t i = 0; i < bp.size(); i += 3) bp[i] = -2.0 * bp[i];
     compare("chunk/lookback/pgdn/negative_beta_p", c, DType::bf16, DType::f32, ws, nullptr);
   }
-  g_alg = alg;
 }
 
 /// True when the variant `impl` formed DiagonalATK's write keys in the warpgroup state pass (kw_state).
@@ -743,8 +749,7 @@ std::array<std::string, 2> kw_state_pair(const std::string& name, const Case& c,
 /// the raw rows by cp.async (DGPS_CUDA_TMA=0), and the split pass (segments of 3 chunks; kw_state only
 /// when forced there, DGPS_CUDA_KW_STATE=1: its first pass forms KW too).
 void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
-  const dgps::Algorithm alg = g_alg;
-  g_alg = dgps::Algorithm::chunkwise;
+  const ForceChunkwise chunkwise;
   const VariantCase cases[] = {  // (knobs: "TMA=0" or "SPLIT=3", or none)
       {"pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
        {0, 1, 70, 70, 200, 300}, DType::bf16, ""},
@@ -769,7 +774,6 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
     if (!knob.empty()) unsetenv(var.c_str());
     if (quick) break;
   }
-  g_alg = alg;
 }
 
 /// The chunkwise kernels' squash (squash_fast) away from the default bound x = 1.5 of every other case:
@@ -777,8 +781,7 @@ void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
 /// reference, and PGDN's write keys formed by the state pass's warpgroup (kw_state) and by the intra-chunk
 /// kernel giving the same bits.
 void squash_cases(dgps::cuda::Workspace& ws) {
-  const dgps::Algorithm alg = g_alg;
-  g_alg = dgps::Algorithm::chunkwise;
+  const ForceChunkwise chunkwise;
   // (5 x 32 (sequence, value head) pairs: enough for the pass's 128-column tiles, which kw_state needs)
   const dgps::Shape shape{.batch = 5, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128};
   uint64_t seed = 7500;
@@ -793,7 +796,6 @@ void squash_cases(dgps::cuda::Workspace& ws) {
       report_check(is_kw_state(impl[0]) && !is_kw_state(impl[1]), name + ": variants " + impl[0] + ", " + impl[1]);
     }
   }
-  g_alg = alg;
 }
 
 int main(int argc, char** argv) {
