@@ -74,15 +74,18 @@ class SpinPool {
     }
     const int64_t per = (n + kMaxBlocks - 1) / kMaxBlocks;
     // A seqlock around the job fields: the word first says "being set up" (a new generation with
-    // zero participants), then publishes generation << 8 | parts. The generation is also the claim tag.
-    const uint32_t tag = ((word_.load() >> 8) + 1) & 0xffffff;
-    word_.store(tag << 8);
+    // zero participants), then publishes (generation mod 2^24) << 8 | parts. The claim tag is the
+    // whole 64-bit generation, so it never wraps: a block is free for every job newer than its claim.
+    const uint64_t tag = ++generation_;
+    const uint32_t word = uint32_t(tag & 0xffffff) << 8;
+    word_.store(word);
+    tag_.store(tag, std::memory_order_relaxed);
     fn_.store(fn, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
     n_.store(n, std::memory_order_relaxed);
     per_.store(per, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    word_.store(tag << 8 | uint32_t(parts));  // seq_cst, paired with the sleepers_ protocol in loop()
+    word_.store(word | uint32_t(parts));  // seq_cst, paired with the sleepers_ protocol in loop()
     if (sleepers_.load() > 0) word_.notify_all();
     const Job job{fn, ctx, n, per, parts, tag};
     const int64_t mine = work(job, 0);
@@ -115,21 +118,28 @@ class SpinPool {
     return true;
   }
 
+  /// Test hook: counts `jobs` jobs as started without running them, so a test can reach generations that
+  /// a process reaches only after hours of decoding (the word's 24-bit field wraps every 2^24 jobs).
+  void skip_jobs_for_testing(uint64_t jobs) {
+    std::lock_guard<std::mutex> lk(busy_);
+    generation_ += jobs;
+  }
+
  private:
   struct Job {
     void (*fn)(void*, int64_t);
     void* ctx;
     int64_t n, per;
     int parts;
-    uint32_t tag;
+    uint64_t tag;
   };
 
   /// Claims block b for job `job` and runs it; false when someone claimed it already.
   bool run_block(const Job& job, int64_t b) {
-    uint32_t cur = claim_[b].load(std::memory_order_relaxed);
+    uint64_t cur = claim_[b].load(std::memory_order_relaxed);
     do {
-      // Tags wrap at 2^24: a claim of this job or of a newer one (a worker that woke late) wins.
-      if (((job.tag - cur) & 0xffffff) == 0 || ((job.tag - cur) & 0x800000) != 0) return false;
+      // A claim of this job or of a newer one (seen by a worker that woke late) wins.
+      if (cur >= job.tag) return false;
     } while (!claim_[b].compare_exchange_weak(cur, job.tag, std::memory_order_acq_rel));
     const int64_t a = b * job.per, e = std::min(job.n, a + job.per);
     for (int64_t i = a; i < e; ++i) job.fn(job.ctx, i);
@@ -173,7 +183,7 @@ class SpinPool {
                     n_.load(std::memory_order_relaxed),
                     per_.load(std::memory_order_relaxed),
                     int(g & 0xff),
-                    g >> 8};
+                    tag_.load(std::memory_order_relaxed)};
       std::atomic_thread_fence(std::memory_order_acquire);
       if (word_.load(std::memory_order_relaxed) != g) continue;
       work(job, w);
@@ -189,8 +199,10 @@ class SpinPool {
   std::atomic<void (*)(void*, int64_t)> fn_{nullptr};
   std::atomic<void*> ctx_{nullptr};
   std::atomic<int64_t> n_{0}, per_{1};
-  std::atomic<uint32_t> claim_[kMaxBlocks];  ///< tag of the job that claimed each block
-  std::atomic<uint32_t> started_[256];       ///< tag of the last job each participant began
+  uint64_t generation_ = 0;                  ///< jobs started (under busy_); the current job's tag
+  std::atomic<uint64_t> tag_{0};             ///< the published job's tag (read under the seqlock)
+  std::atomic<uint64_t> claim_[kMaxBlocks];  ///< tag of the job that claimed each block
+  std::atomic<uint64_t> started_[256];       ///< tag of the last job each participant began
 };
 
 }  // namespace dgps::cpu::kernels

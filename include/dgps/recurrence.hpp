@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "dgps/error.hpp"
+#include "dgps/model_spec.hpp"
 #include "dgps/policy/decay.hpp"
 #include "dgps/policy/gain.hpp"
 #include "dgps/policy/preconditioner.hpp"
@@ -35,22 +36,6 @@ using PKDA = Recurrence<decay::Diagonal, gain::Scalar, precond::DiagonalATK, sol
 using PMamba2 = Recurrence<decay::Scalar, gain::Scalar, precond::DiagonalATQ, solve::Offline>;
 using MesaLayer = Recurrence<decay::None, gain::Unit, precond::ExactATK, solve::Online>;
 using RidgeReadout = Recurrence<decay::None, gain::Unit, precond::ExactATQ, solve::Offline>;
-
-/// A model chosen at run time: the four axes as enum values.
-struct ModelSpec {
-  decay::Kind decay = decay::Kind::scalar;
-  gain::Kind gain = gain::Kind::scalar;
-  precond::Kind precond = precond::Kind::identity;
-  solve::Kind solve = solve::Kind::online;
-
-  friend bool operator==(const ModelSpec&, const ModelSpec&) = default;
-};
-
-/// The spec of a compile-time recurrence.
-template <class R>
-constexpr ModelSpec spec_of() {
-  return {R::decay_type::kind, R::gain_type::kind, R::precond_type::kind, R::solve_type::kind};
-}
 
 /// The short names of the named models ("la", "mamba2", "gla", "dn", "gdn", "kda", "pdn", "pgdn",
 /// "pkda", "pmamba2", "mesa", "ridge") and their specs.

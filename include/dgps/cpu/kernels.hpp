@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "dgps/recurrence.hpp"
+#include "dgps/model_spec.hpp"
 
 namespace dgps::cpu::kernels {
 
@@ -61,12 +61,7 @@ struct KernelParams {
   int64_t state_index(int64_t n) const { return slots ? slots[n] : n; }
 };
 
-/// True when the chunkwise kernels cover `spec`: every decay, gain and solve with the Identity,
-/// DiagonalATK or DiagonalATQ preconditioner (SPEC §4); the exact preconditioners are recurrent only.
-constexpr bool chunkwise_covers(const ModelSpec& spec) {
-  return spec.precond == precond::Kind::identity || spec.precond == precond::Kind::diagonal_atk ||
-         spec.precond == precond::Kind::diagonal_atq;
-}
+using dgps::chunkwise_covers;
 
 /// Name of the instruction set the kernels use in this process: "avx512", "avx2" or "generic".
 const char* isa_name();
