@@ -4,11 +4,14 @@
 /// tensors with `dgps::inputs(...)` / `dgps::outputs(...)` and call `dgps::forward<Model>`.
 #pragma once
 
+#include <cstddef>
 #include <string>
+#include <type_traits>
 
 #include "dgps/backend.hpp"
 #include "dgps/cpu/backend.hpp"
 #include "dgps/detail/check.hpp"
+#include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
 #include "dgps/reference/backend.hpp"

@@ -6,14 +6,20 @@
 /// pool), since reading them would need a host synchronisation.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "dgps/backend.hpp"
 #include "dgps/cuda.hpp"
 #include "dgps/detail/check.hpp"
+#include "dgps/detail/problem.hpp"
+#include "dgps/error.hpp"
+#include "dgps/recurrence.hpp"
+#include "dgps/types.hpp"
 
 namespace dgps::detail {
 

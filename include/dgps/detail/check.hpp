@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -10,6 +11,7 @@
 #include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
+#include "dgps/tensor.hpp"
 #include "dgps/training_cache.hpp"
 #include "dgps/types.hpp"
 
