@@ -9,6 +9,7 @@
 
 #include "dgps/cpu/backend.hpp"
 #include "dgps/error.hpp"
+#include "dgps/model_spec.hpp"
 #include "dgps/types.hpp"
 #if defined(DGPS_HAS_CUDA)
 #include "dgps/cuda.hpp"

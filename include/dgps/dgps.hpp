@@ -4,11 +4,14 @@
 /// tensors with `dgps::inputs(...)` / `dgps::outputs(...)` and call `dgps::forward<Model>`.
 #pragma once
 
+#include <cstddef>
 #include <string>
+#include <type_traits>
 
 #include "dgps/backend.hpp"
 #include "dgps/cpu/backend.hpp"
 #include "dgps/detail/check.hpp"
+#include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
 #include "dgps/reference/backend.hpp"
@@ -38,10 +41,13 @@ inline namespace DGPS_CUDA_ABI {  // forward, backward and decode branch on DGPS
 /// Forward pass of model R (SPEC §2): writes `o` and, when requested, the final states `hT`, `aT`.
 ///
 /// T is float, double, dgps::bf16 or dgps::f16 (the last two with float32 states and compute).
-/// Throws dgps::Error (and writes nothing) on any malformed input; see detail/check.hpp for the
-/// rules. Returns which implementation ran. With `out.save_for_backward(cache)` the CPU chunkwise
-/// forward fills the training cache for the backward; every other path leaves it empty
-/// (dgps/training_cache.hpp).
+/// The backend is chosen at run time (`opt.backend`; `automatic` honours DGPS_BACKEND, else runs device
+/// pointers on the CUDA backend and host pointers on the CPU): in a program linked with dgps::cuda,
+/// float32, bfloat16 and float16 device tensors run dgps::cuda::forward asynchronously on the default
+/// stream (float64 has no CUDA kernels). Throws dgps::Error (and writes nothing) on any malformed
+/// input; see detail/check.hpp for the rules. Returns which implementation ran. With
+/// `out.save_for_backward(cache)` the CPU chunkwise forward fills the training cache for the backward;
+/// every other path leaves it empty (dgps/training_cache.hpp).
 template <class R, class T>
 RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
@@ -76,8 +82,9 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
 /// filled (`Outputs::save_for_backward`; a filled cache of another call throws dgps::Error, an empty
 /// one is ignored; dgps/training_cache.hpp).
 /// For the exact preconditioners `da0` is the raw gradient of the non-symmetric update as written
-/// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0. Float32 device
-/// pointers (or `backend = cuda`) run dgps::cuda::backward, asynchronously on the default stream.
+/// in SPEC §2; its symmetric part is the gradient with respect to a symmetric P_0. Device tensors
+/// (float32, bfloat16 or float16; or `backend = cuda`) run dgps::cuda::backward, asynchronously on the
+/// default stream, with `opt.algorithm` passed on (automatic: chunkwise for 16-bit inputs where it applies).
 template <class R, class T>
 RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
@@ -122,7 +129,8 @@ size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {}) {
 /// Decodes `tokens.shape.time` new tokens (usually 1 to 4) for each of `tokens.shape.batch`
 /// sequences, continuing from `state` and updating it in place. Equal to `forward` over the same
 /// tokens with h0/a0 = state and hT/aT written back. `o` is [N, T, HV, V]: a TensorView or a bare
-/// pointer (T is deduced from `state` and `tokens` only).
+/// pointer (T is deduced from `state` and `tokens` only). Device tensors (float32, bfloat16 or float16;
+/// or `backend = cuda`) run dgps::cuda::decode, asynchronously on the default stream.
 template <class R, class T>
 RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, std::type_identity_t<Out<T>> o,
                const Options& opt = {}) {

@@ -17,6 +17,7 @@
 /// dgps/dgps.hpp does not include this header.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -19,15 +20,15 @@ enum class Backend { automatic, reference, cpu, cuda };
 /// How a call runs: token by token, or chunkwise-parallel (SPEC §4). `automatic` lets the backend choose.
 enum class Algorithm { automatic, recurrent, chunkwise };
 
-/// "automatic", "reference", "cpu", "cuda".
+/// "automatic", "reference", "cpu", "cuda" ("?" for a value outside the enumeration).
 inline const char* to_string(Backend b) {
   static constexpr const char* n[] = {"automatic", "reference", "cpu", "cuda"};
-  return n[int(b)];
+  return unsigned(b) < 4 ? n[int(b)] : "?";
 }
-/// "automatic", "recurrent", "chunkwise".
+/// "automatic", "recurrent", "chunkwise" ("?" for a value outside the enumeration).
 inline const char* to_string(Algorithm a) {
   static constexpr const char* n[] = {"automatic", "recurrent", "chunkwise"};
-  return n[int(a)];
+  return unsigned(a) < 3 ? n[int(a)] : "?";
 }
 
 namespace detail {

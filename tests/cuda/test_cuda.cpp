@@ -798,6 +798,8 @@ void squash_cases(dgps::cuda::Workspace& ws) {
   }
 }
 
+namespace dgps_gpu_test { void unified_tests(); }  // test_cuda_unified.cpp
+
 int main(int argc, char** argv) {
   if (!dgps::cuda::available() || !dgps::cuda_available()) {
     std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
@@ -851,6 +853,7 @@ int main(int argc, char** argv) {
     decode_graph_case("pgdn", 300, seed++, ws);
     public_api();
     backward_tests(ws, quick);
+    unified_tests();
   } catch (const std::exception& e) {
     std::printf("FAIL  exception: %s\n", e.what());
     return 1;

@@ -6,14 +6,21 @@
 /// pool), since reading them would need a host synchronisation.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <numeric>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include "dgps/backend.hpp"
 #include "dgps/cuda.hpp"
 #include "dgps/detail/check.hpp"
+#include "dgps/detail/problem.hpp"
+#include "dgps/error.hpp"
+#include "dgps/recurrence.hpp"
+#include "dgps/types.hpp"
 
 namespace dgps::detail {
 
@@ -47,37 +54,80 @@ Inputs<T> host_inputs(const Inputs<T>& in, std::vector<int64_t>& cu) {
   return host;
 }
 
+/// The dgps::cuda element type of T; float64 has no CUDA kernels (a dgps::Error).
 template <class T>
-void require_float_for_cuda() {
-  if constexpr (!std::is_same_v<T, float>)
-    throw Error("backend 'cuda' takes float32 tensors through dgps::forward/backward/decode; call "
-                "dgps::cuda::forward or dgps::cuda::backward directly for bfloat16 or float16");
+cuda::DType cuda_dtype() {
+  if constexpr (std::is_same_v<T, float>)
+    return cuda::DType::f32;
+  else if constexpr (std::is_same_v<T, bf16>)
+    return cuda::DType::bf16;
+  else if constexpr (std::is_same_v<T, f16>)
+    return cuda::DType::f16;
+  else
+    throw Error(
+        "backend 'cuda' has no float64 kernels: pass float32, bfloat16 or float16 tensors, or run float64 "
+        "on the cpu or reference backend");
 }
 
-/// dgps::forward on the CUDA backend (device pointers, default stream, asynchronous).
+/// The Params of a validated Problem whose tensors are device pointers: q, k, v, o and the gates of type T,
+/// states float32 (`cu_seqlens` and `slots` are passed separately: they are device pointers too).
+template <class T>
+cuda::Params cuda_params(const Problem<T>& p, const int64_t* cu_seqlens, const int64_t* slots, Algorithm algorithm) {
+  using cuda::detail::tensor_of;
+  cuda::Params c;
+  c.spec = p.spec;
+  c.dtype = cuda_dtype<T>();
+  c.gate_dtype = c.dtype;  // the unified API takes the gates in the inputs' type
+  c.B = p.B, c.T = p.T_, c.H = p.H, c.HV = p.HV, c.K = p.K, c.V = p.V, c.N = p.N;
+  c.q = tensor_of(p.q), c.k = tensor_of(p.k), c.v = tensor_of(p.v), c.g = tensor_of(p.g), c.beta = tensor_of(p.beta);
+  c.g_p = tensor_of(p.g_p), c.beta_p = tensor_of(p.beta_p), c.center = tensor_of(p.center);
+  c.h0 = tensor_of(p.h0), c.a0 = tensor_of(p.a0);
+  c.o = tensor_of(p.o), c.hT = tensor_of(p.hT), c.aT = tensor_of(p.aT);
+  c.cu_seqlens = cu_seqlens;
+  c.slots = slots;
+  c.scale = static_cast<float>(p.scale);
+  c.x = static_cast<float>(p.x);
+  c.eps = static_cast<float>(p.eps);
+  c.l2norm = p.l2norm;
+  c.algorithm = algorithm;
+  return c;
+}
+
+/// The algorithm a dgps::cuda kernel name reports ("cuda/chunkwise/...", "cuda/backward/chunkwise": chunkwise).
+inline Algorithm cuda_algorithm_of(const char* impl) {
+  return std::string_view(impl).find("/chunkwise") != std::string_view::npos ? Algorithm::chunkwise
+                                                                             : Algorithm::recurrent;
+}
+
+/// Throws unless the CUDA backend is usable and has `algorithm` for model R (the checks every CUDA entry
+/// point makes before validating the tensors).
+template <class R, class T>
+void require_cuda(Algorithm algorithm, const char* what) {
+  (void)cuda_dtype<T>();
+  if (!cuda_available()) select_backend(Backend::cuda);  // throws the 'not available' error
+  if (!cuda::supports(spec_of<R>(), algorithm))
+    throw Error(std::string("backend 'cuda' has no ") + to_string(algorithm) + " " + what + " for " +
+                to_string(spec_of<R>()));
+}
+
+/// dgps::forward on the CUDA backend (device pointers, default stream, asynchronous): float32, bfloat16
+/// or float16 inputs (gates in the same type), float32 states.
 template <class R, class T>
 RunInfo cuda_forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt) {
-  require_float_for_cuda<T>();
-  if (!cuda_available()) select_backend(Backend::cuda);  // throws the 'not available' error
-  if (!cuda::supports(spec_of<R>(), opt.algorithm))
-    throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " algorithm for " +
-                to_string(spec_of<R>()));
-  if constexpr (std::is_same_v<T, float>) {
-    std::vector<int64_t> cu;
-    const Inputs<T> host = host_inputs(in, cu);
-    const Problem<T> p = check_forward<R>(host, out, opt);
-    cuda::Workspace ws;
-    const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, opt.algorithm);
-    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::forward(cp, ws, nullptr)};
-    report("forward", info);
-    return info;
-  } else {
-    return {};
-  }
+  require_cuda<R, T>(opt.algorithm, "algorithm");
+  std::vector<int64_t> cu;
+  const Inputs<T> host = host_inputs(in, cu);
+  const Problem<T> p = check_forward<R>(host, out, opt);
+  cuda::Workspace ws;
+  const char* impl = cuda::forward(cuda_params(p, in.cu_seqlens.data, nullptr, opt.algorithm), ws, nullptr);
+  RunInfo info{Backend::cuda, cuda_algorithm_of(impl), impl};
+  report("forward", info);
+  return info;
 }
 
-/// The cotangents and gradient destinations of a validated float32 backward Problem (device pointers).
-inline cuda::GradParams grad_params_from(const Problem<float>& p) {
+/// The cotangents and gradient destinations of a validated backward Problem (device pointers).
+template <class T>
+cuda::GradParams grad_params_from(const Problem<T>& p) {
   using cuda::detail::tensor_of;
   cuda::GradParams g;
   g.d_o = tensor_of(p.d_o), g.dhT = tensor_of(p.dhT), g.daT = tensor_of(p.daT);
@@ -90,27 +140,20 @@ inline cuda::GradParams grad_params_from(const Problem<float>& p) {
 
 /// dgps::backward on the CUDA backend (device pointers, default stream, asynchronous). Allocates its
 /// workspace per call (freed before returning); use dgps::cuda::backward with a reused
-/// dgps::cuda::Workspace on hot paths. The CUDA backward has one algorithm (recurrent): `chunkwise`
-/// is refused.
+/// dgps::cuda::Workspace on hot paths. `opt.algorithm` picks dgps::cuda::backward's algorithm (automatic:
+/// chunkwise for 16-bit inputs where it covers the call, recurrent for float32).
 template <class R, class T>
 RunInfo cuda_backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads, const Options& opt) {
-  require_float_for_cuda<T>();
-  if (!cuda_available()) select_backend(Backend::cuda);  // throws the 'not available' error
-  if (!cuda::supports_backward(spec_of<R>()) || opt.algorithm == Algorithm::chunkwise)
-    throw Error(std::string("backend 'cuda' has no ") + to_string(opt.algorithm) + " backward for " +
-                to_string(spec_of<R>()));
-  if constexpr (std::is_same_v<T, float>) {
-    std::vector<int64_t> cu;
-    const Inputs<T> host = host_inputs(in, cu);
-    const Problem<T> p = check_backward<R>(host, gin, grads, opt);
-    cuda::Workspace ws;
-    const cuda::Params cp = cuda::params_from(p, in.cu_seqlens.data, nullptr, Algorithm::recurrent);
-    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::backward(cp, grad_params_from(p), ws, nullptr)};
-    report("backward", info);
-    return info;
-  } else {
-    return {};
-  }
+  require_cuda<R, T>(opt.algorithm, "backward");  // cuda::supports_backward is the forward's coverage
+  std::vector<int64_t> cu;
+  const Inputs<T> host = host_inputs(in, cu);
+  const Problem<T> p = check_backward<R>(host, gin, grads, opt);
+  cuda::Workspace ws;
+  const cuda::Params cp = cuda_params(p, in.cu_seqlens.data, nullptr, opt.algorithm);
+  const char* impl = cuda::backward(cp, grad_params_from(p), ws, nullptr);
+  RunInfo info{Backend::cuda, cuda_algorithm_of(impl), impl};
+  report("backward", info);
+  return info;
 }
 
 /// dgps::decode on the CUDA backend (device pointers, default stream, asynchronous). Allocates a
@@ -118,27 +161,20 @@ RunInfo cuda_backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>
 /// dgps::cuda::Workspace on hot paths.
 template <class R, class T>
 RunInfo cuda_decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, const Options& opt) {
-  require_float_for_cuda<T>();
-  if (!cuda_available()) select_backend(Backend::cuda);
-  if (!cuda::supports(spec_of<R>(), Algorithm::recurrent))
-    throw Error(std::string("backend 'cuda' has no decode for ") + to_string(spec_of<R>()));
-  if constexpr (std::is_same_v<T, float>) {
-    DecodeState<T> host = state;
-    std::vector<int64_t> ids;
-    if (state.slots.data) {
-      ids.resize(static_cast<size_t>(state.slots.rank == 1 ? state.slots.size[0] : 0));
-      std::iota(ids.begin(), ids.end(), int64_t(0));
-      host.slots = TensorView<const int64_t>(ids.data(), {static_cast<int64_t>(ids.size())});
-    }
-    const Problem<T> p = check_decode<R>(host, tokens, o, opt);
-    cuda::Workspace ws;
-    const cuda::Params cp = cuda::params_from(p, nullptr, state.slots.data, Algorithm::recurrent);
-    RunInfo info{Backend::cuda, Algorithm::recurrent, cuda::decode(cp, ws, nullptr)};
-    report("decode", info);
-    return info;
-  } else {
-    return {};
+  require_cuda<R, T>(Algorithm::recurrent, "decode");
+  DecodeState<T> host = state;
+  std::vector<int64_t> ids;
+  if (state.slots.data) {  // device slots: the host checks their shape on placeholder values
+    ids.resize(static_cast<size_t>(state.slots.rank == 1 ? state.slots.size[0] : 0));
+    std::iota(ids.begin(), ids.end(), int64_t(0));
+    host.slots = TensorView<const int64_t>(ids.data(), {static_cast<int64_t>(ids.size())});
   }
+  const Problem<T> p = check_decode<R>(host, tokens, o, opt);
+  cuda::Workspace ws;
+  const char* impl = cuda::decode(cuda_params(p, nullptr, state.slots.data, Algorithm::recurrent), ws, nullptr);
+  RunInfo info{Backend::cuda, Algorithm::recurrent, impl};
+  report("decode", info);
+  return info;
 }
 
 }  // namespace dgps::detail

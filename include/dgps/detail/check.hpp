@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
+#include "dgps/tensor.hpp"
 #include "dgps/training_cache.hpp"
 #include "dgps/types.hpp"
 
@@ -55,17 +58,67 @@ void reject_unused(const char* name, const TensorView<T>& t, const std::string& 
   if (t.data || t.rank > 0) throw Error(std::string("tensor '") + name + "' was given but " + why);
 }
 
+/// The shape rules on sizes alone (SPEC §1): every size >= 1 but `T` >= 0, and `HV` a multiple of `H`. check_inputs
+/// applies them to a Shape; callers holding sizes (the CUDA entry points' Params) call it directly.
+inline void check_sizes(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V) {
+  auto positive = [](const char* what, int64_t v) {
+    if (v < 1) throw Error(std::string("shape: ") + what + " must be >= 1, got " + std::to_string(v));
+  };
+  positive("batch", B);
+  positive("heads", H);
+  positive("v_heads", HV);
+  positive("key_dim", K);
+  positive("value_dim", V);
+  if (T < 0) throw Error("shape: time must be >= 0, got " + std::to_string(T));
+  if (HV % H != 0)
+    throw Error("shape: v_heads (" + std::to_string(HV) + ") must be a multiple of heads (" + std::to_string(H) + ")");
+}
+
+/// The rules of the options every backend reads (SPEC §1): `scale`, when given, finite; `x` finite and > 0; `eps`
+/// finite and >= 0.
+inline void check_squash_options(const std::optional<double>& scale, double x, double eps) {
+  if (scale && !std::isfinite(*scale)) throw Error("option 'scale' must be finite, got " + std::to_string(*scale));
+  if (!(x > 0) || !std::isfinite(x)) throw Error("option 'x' must be finite and > 0, got " + std::to_string(x));
+  if (!(eps >= 0) || !std::isfinite(eps))
+    throw Error("option 'eps' must be finite and >= 0, got " + std::to_string(eps));
+}
+
 inline void check_options(const Options& o, int64_t K, double& scale) {
-  if (o.scale && !std::isfinite(*o.scale))
-    throw Error("option 'scale' must be finite, got " + std::to_string(*o.scale));
-  if (!(o.x > 0) || !std::isfinite(o.x)) throw Error("option 'x' must be finite and > 0, got " + std::to_string(o.x));
-  if (!(o.eps >= 0) || !std::isfinite(o.eps))
-    throw Error("option 'eps' must be finite and >= 0, got " + std::to_string(o.eps));
+  check_squash_options(o.scale, o.x, o.eps);
   if (!(o.lambda > 0) || !std::isfinite(o.lambda))
     throw Error("option 'lambda' must be finite and > 0, got " + std::to_string(o.lambda));
   if (o.chunk_size < 1) throw Error("option 'chunk_size' must be >= 1, got " + std::to_string(o.chunk_size));
   if (o.threads < 0) throw Error("option 'threads' must be >= 0, got " + std::to_string(o.threads));
   scale = o.scale ? *o.scale : 1.0 / std::sqrt(double(K));
+}
+
+/// Which of a call's optional inputs are given (a pointer or a shape), for check_model_inputs.
+struct GivenInputs {
+  bool g = false, beta = false, g_p = false, beta_p = false, center = false;
+  bool a0 = false, aT = false;  ///< the preconditioner's initial and final states
+};
+
+/// The model's rules for its optional inputs (SPEC §1) on a run-time ModelSpec: the tensors its policies read are
+/// required ("tensor 'g' is required by <model> but was not given"), the others refused ("tensor 'beta' was given
+/// but gain=unit uses no beta"). check_inputs applies them; the CUDA entry points call it on their Params.
+inline void check_model_inputs(const ModelSpec& spec, const GivenInputs& given) {
+  const std::string model = "by " + to_string(spec);
+  auto rule = [&](const char* name, bool is_given, bool used, const char* unused_why) {
+    if (used && !is_given)
+      throw Error(std::string("tensor '") + name + "' is required " + model + " but was not given");
+    if (!used && is_given) throw Error(std::string("tensor '") + name + "' was given but " + unused_why);
+  };
+  const bool stats = spec.precond != precond::Kind::identity;
+  const bool diagonal = spec.precond == precond::Kind::diagonal_atk || spec.precond == precond::Kind::diagonal_atq;
+  rule("g", given.g, spec.decay != decay::Kind::none, "decay=none uses no g");
+  rule("beta", given.beta, spec.gain != gain::Kind::unit, "gain=unit uses no beta");
+  rule("g_p", given.g_p, stats, "precond=identity uses no g_p");
+  rule("beta_p", given.beta_p, stats, "precond=identity uses no beta_p");
+  rule("center", given.center, diagonal, "only the diagonal preconditioners use center");
+  if (!stats) {  // the states are optional where they exist
+    rule("a0", given.a0, false, "precond=identity has no preconditioner state");
+    rule("aT", given.aT, false, "precond=identity has no preconditioner state");
+  }
 }
 
 /// Validates the inputs (SPEC §1) of model R and fills the input half of a Problem.
@@ -78,18 +131,7 @@ Problem<T> check_inputs(const Inputs<T>& in, const Options& opt) {
   p.spec = spec_of<R>();
   const Shape& s = in.shape;
   const int64_t HV = s.v_heads == 0 ? s.heads : s.v_heads;
-  auto positive = [](const char* what, int64_t v) {
-    if (v < 1) throw Error(std::string("shape: ") + what + " must be >= 1, got " + std::to_string(v));
-  };
-  positive("batch", s.batch);
-  positive("heads", s.heads);
-  positive("v_heads", HV);
-  positive("key_dim", s.key_dim);
-  positive("value_dim", s.value_dim);
-  if (s.time < 0) throw Error("shape: time must be >= 0, got " + std::to_string(s.time));
-  if (HV % s.heads != 0)
-    throw Error("shape: v_heads (" + std::to_string(HV) + ") must be a multiple of heads (" + std::to_string(s.heads) +
-                ")");
+  check_sizes(s.batch, s.time, s.heads, HV, s.key_dim, s.value_dim);
   p.B = s.batch;
   p.T_ = s.time;
   p.H = s.heads;
@@ -131,36 +173,23 @@ Problem<T> check_inputs(const Inputs<T>& in, const Options& opt) {
   p.q = resolve("q", in.q, {B, Tn, H, K}, true, model);
   p.k = resolve("k", in.k, {B, Tn, H, K}, true, model);
   p.v = resolve("v", in.v, {B, Tn, HV, V}, true, model);
-  if constexpr (D::needs_g) {
-    if constexpr (D::per_channel)
-      p.g = resolve("g", in.g, {B, Tn, HV, K}, true, model);
-    else
-      p.g = resolve("g", in.g, {B, Tn, HV}, true, model);
-  } else {
-    reject_unused("g", in.g, "decay=none uses no g");
-  }
-  if constexpr (G::needs_beta)
-    p.beta = resolve("beta", in.beta, {B, Tn, HV}, true, model);
-  else
-    reject_unused("beta", in.beta, "gain=unit uses no beta");
+  auto given = [](const auto& t) { return t.data != nullptr || t.rank > 0; };
+  check_model_inputs(p.spec,
+                     {given(in.g), given(in.beta), given(in.g_p), given(in.beta_p), given(in.center), given(in.a0)});
+  if constexpr (D::needs_g)
+    p.g = resolve("g", in.g, D::per_channel ? std::vector<int64_t>{B, Tn, HV, K} : std::vector<int64_t>{B, Tn, HV},
+                  true, model);
+  if constexpr (G::needs_beta) p.beta = resolve("beta", in.beta, {B, Tn, HV}, true, model);
   if constexpr (precond::needs_gates<P>) {
     p.g_p = resolve("g_p", in.g_p, {B, Tn, H}, true, model);
     p.beta_p = resolve("beta_p", in.beta_p, {B, Tn, H}, true, model);
-  } else {
-    reject_unused("g_p", in.g_p, "precond=identity uses no g_p");
-    reject_unused("beta_p", in.beta_p, "precond=identity uses no beta_p");
   }
-  if constexpr (precond::needs_center<P>)
-    p.center = resolve("center", in.center, {H}, true, model);
-  else
-    reject_unused("center", in.center, "only the diagonal preconditioners use center");
+  if constexpr (precond::needs_center<P>) p.center = resolve("center", in.center, {H}, true, model);
   p.h0 = resolve("h0", in.h0, {N, HV, K, V}, false, "");
   if constexpr (P::state == precond::State::diagonal)
     p.a0 = resolve("a0", in.a0, {N, H, K}, false, "");
   else if constexpr (P::state == precond::State::exact)
     p.a0 = resolve("a0", in.a0, {N, H, K, K}, false, "");
-  else
-    reject_unused("a0", in.a0, "precond=identity has no preconditioner state");
   return p;
 }
 

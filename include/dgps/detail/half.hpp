@@ -8,10 +8,12 @@
 /// gradients, small next to a backward pass.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "dgps/detail/problem.hpp"
+#include "dgps/tensor.hpp"
 #include "dgps/types.hpp"
 
 namespace dgps::detail {

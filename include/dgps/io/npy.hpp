@@ -1,10 +1,12 @@
 /// @brief Minimal, strict .npy reader and writer (NumPy format 1.0-3.0; little-endian f4/f8/i4/i8, C order).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dgps/error.hpp"

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dgps/detail/squash.hpp"
+
 namespace dgps::precond {
 
 /// Identifiers usable at run time.
@@ -85,19 +87,12 @@ inline void init_state(Acc* st, const In* a0, int64_t a0_row_stride, int64_t K, 
   }
 }
 
-/// The squash of SPEC §2: r = log(A + eps) - center, s = r / (1 + |r|), M = exp(-log(x) s).
+/// The squash of SPEC §2 (maths::squash): r = log(A + eps) - center, s = r / (1 + |r|), M = exp(-log(x) s).
 /// Also returns dM/dA in `dmda` (0 where A + eps is 0).
 template <class Acc>
 inline Acc squash(Acc A, Acc center, const Constants<Acc>& c, Acc* dmda = nullptr) {
-  const Acc ae = A + c.eps;
-  if (!(ae > Acc(0))) {  // log(0) = -inf: s = -1 and M = x; no gradient flows
-    if (dmda) *dmda = Acc(0);
-    return std::exp(c.log_x);
-  }
-  const Acc r = std::log(ae) - center;
-  const Acc den = Acc(1) + std::fabs(r);
-  const Acc m = std::exp(-c.log_x * (r / den));
-  if (dmda) *dmda = m * (-c.log_x) / (den * den) / ae;
+  const Acc m = maths::squash(A, center, c.log_x, c.eps);
+  if (dmda) *dmda = maths::squash_slope(A, m, center, c.log_x, c.eps);
   return m;
 }
 
@@ -108,8 +103,8 @@ inline void update(Acc* st, Acc* M, const Acc* kn, Acc a, Acc b, Acc center, int
                    Acc* work /* 2K scratch */) {
   if constexpr (P::state == State::diagonal) {
     for (int64_t i = 0; i < K; ++i) {
-      st[i] = a * st[i] + b * kn[i] * kn[i];
-      M[i] = squash(st[i], center, c);
+      st[i] = maths::stats_step(st[i], a, b, kn[i]);
+      M[i] = maths::squash(st[i], center, c.log_x, c.eps);
     }
   } else if constexpr (P::state == State::exact) {
     // P_t = (P - b y z^T / (a + b k^T y)) / a with y = P k, z = P^T k (SPEC §2, Sherman-Morrison).

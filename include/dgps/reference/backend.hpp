@@ -1,6 +1,8 @@
 /// @brief The reference backend: SPEC §2 token by token with double accumulation (the oracle).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "dgps/detail/parallel.hpp"

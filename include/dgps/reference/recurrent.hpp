@@ -11,6 +11,8 @@
 
 #include "dgps/detail/problem.hpp"
 #include "dgps/recurrence.hpp"
+#include "dgps/tensor.hpp"
+#include "dgps/types.hpp"
 
 namespace dgps::reference {
 
