@@ -11,6 +11,7 @@
 #include "backward.cuh"
 #include "chunk.cuh"
 #include "dgps/cuda.hpp"
+#include "dgps/detail/check.hpp"
 #include "plan.hpp"
 #include "recurrent.cuh"
 
@@ -35,7 +36,56 @@ void copy_strides(int64_t* dst, const Tensor& t) {
 
 enum class Call { forward, decode, backward };
 
-/// Host-side checks of a call (shapes, pointers, options); device tensor values are not read.
+/// check.hpp's view of a cuda::Tensor for its presence rules (detail::resolve, detail::reject_unused): the
+/// pointer alone (the implicit rank: no host-side shape is implied).
+TensorView<const char> presence(const Tensor& t) {
+  TensorView<const char> v;
+  v.data = static_cast<const char*>(t.data);
+  v.rank = t.data ? dgps::detail::kImplicitRank : 0;
+  return v;
+}
+
+/// The rules the CUDA entry points share with every backend (check.hpp): the options, and which tensors
+/// the model needs or must not be given. Their errors carry the "cuda: " prefix of this backend's.
+void check_shared(const Params& p, Call call) {
+  try {
+    Options o;
+    if (p.scale != 0.f) o.scale = p.scale;  // (0: the default 1/sqrt(K))
+    o.x = p.x, o.eps = p.eps;
+    double scale = 0;
+    dgps::detail::check_options(o, p.K, scale);
+    const std::string model = "by " + dgps::to_string(p.spec);
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &p.q}, {"k", &p.k}, {"v", &p.v}})
+      dgps::detail::resolve(name, presence(*t), {}, true, model);
+    if (call != Call::backward) dgps::detail::resolve("o", presence(p.o), {}, true, "by the forward");
+    if (p.spec.decay == decay::Kind::none)
+      dgps::detail::reject_unused("g", presence(p.g), "decay=none uses no g");
+    else
+      dgps::detail::resolve("g", presence(p.g), {}, true, model);
+    if (p.spec.gain == gain::Kind::unit)
+      dgps::detail::reject_unused("beta", presence(p.beta), "gain=unit uses no beta");
+    else
+      dgps::detail::resolve("beta", presence(p.beta), {}, true, model);
+    const bool diag = p.spec.precond != precond::Kind::identity;
+    for (const auto& [name, t] :
+         {std::pair<const char*, const Tensor*>{"g_p", &p.g_p}, {"beta_p", &p.beta_p}, {"center", &p.center}}) {
+      if (diag)
+        dgps::detail::resolve(name, presence(*t), {}, true, model);
+      else
+        dgps::detail::reject_unused(name, presence(*t), std::string("precond=identity uses no ") + name);
+    }
+    if (!diag) {
+      dgps::detail::reject_unused("a0", presence(p.a0), "precond=identity has no preconditioner state");
+      dgps::detail::reject_unused("aT", presence(p.aT), "precond=identity has no preconditioner state");
+    }
+  } catch (const Error& e) {
+    throw Error(std::string("cuda: ") + e.what());
+  }
+}
+
+/// Host-side checks of a call (shapes, pointers, options); device tensor values are not read. The rules
+/// every backend shares go through check.hpp (check_shared); the rest are this backend's: its models and
+/// sizes, the kernels' index ranges, and what decode needs.
 void check(const Params& p, Call call) {
   const bool decode = call == Call::decode;
   if (!supports(p.spec, p.algorithm))
@@ -48,19 +98,8 @@ void check(const Params& p, Call call) {
   if (p.K < 1 || p.K > 128) throw Error("cuda: key_dim must be in [1, 128], got " + std::to_string(p.K));
   require(p.V >= 1 && p.V <= (int64_t(1) << 30), "value_dim must be in [1, 2^30]");
   require(p.N <= 65535 && p.HV <= 65535, "at most 65535 sequences and 65535 value heads per call");
-  require(p.q.data && p.k.data && p.v.data, "q, k and v are required");
-  require(call == Call::backward || p.o.data, "o is required");
-  require(p.spec.decay == decay::Kind::none || p.g.data, "tensor 'g' is required by the decay");
-  require(p.spec.decay != decay::Kind::none || !p.g.data, "tensor 'g' was given but decay=none uses no g");
-  require(p.spec.gain == gain::Kind::unit || p.beta.data, "tensor 'beta' is required by gain=scalar");
-  require(p.spec.gain != gain::Kind::unit || !p.beta.data, "tensor 'beta' was given but gain=unit uses no beta");
+  check_shared(p, call);
   const bool diag = p.spec.precond != precond::Kind::identity;
-  require(!diag || (p.g_p.data && p.beta_p.data && p.center.data),
-          "tensors 'g_p', 'beta_p' and 'center' are required by the diagonal preconditioner");
-  require(diag || (!p.g_p.data && !p.beta_p.data && !p.center.data && !p.a0.data && !p.aT.data),
-          "precond=identity uses no g_p, beta_p, center, a0 or aT");
-  require(std::isfinite(p.scale) && std::isfinite(p.x) && p.x > 0 && std::isfinite(p.eps) && p.eps >= 0,
-          "options scale, x, eps must be finite, x > 0, eps >= 0");
   if (p.cu_seqlens) require(p.B == 1, "cu_seqlens requires batch == 1");
   if (!p.cu_seqlens) require(p.N == p.B, "without cu_seqlens N must equal B");
   if (decode) {
