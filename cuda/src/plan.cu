@@ -92,12 +92,12 @@ bool wg_pass(DType d, const ChunkArgs& c) {
 
 Plan plan_forward(const Params& p, const RecArgs& a) {
   Plan plan;
-  plan.pdl = sm90_kernels();
   // T = 0 has no chunks: the recurrent kernel copies h0/a0 to hT/aT.
   if (p.T > 0 && use_chunkwise(p, a)) {
-    plan.kernel = Plan::Kernel::chunkwise;
+    plan.kernel = Plan::Kernel::chunkwise;  // (plan_chunkwise makes the rest of the choices)
     return plan;
   }
+  plan.pdl = sm90_kernels();
   const int sms = sm_count();
   if (choices().warp_kernel || !rowblock_vectorizable(a)) {
     plan_warp(plan, a, sms);

@@ -855,10 +855,48 @@ void squash_fast_cases() {
                                          std::to_string(r.zero_mismatch) + " points differ)");
 }
 
+/// The variant names impl_name gives plans (what the entry points return; host only, run without a GPU too).
+void plan_names() {
+  auto chunk = [](int vt, bool wg, bool raw, bool tma, bool rv, bool kw, int split) {
+    Plan p;
+    p.kernel = Plan::Kernel::chunkwise;
+    p.state_vt = vt, p.wgmma = wg, p.raw_q = raw, p.tma = tma, p.raw_v = rv, p.kw_state = kw, p.split = split;
+    return p;
+  };
+  auto of = [](Plan::Kernel k, int cols, int keys = 0, int split = 0) {
+    Plan p;
+    p.kernel = k, p.cols = cols, p.warp_keys = keys, p.warp_split = split;
+    return p;
+  };
+  using K = Plan::Kernel;
+  const std::pair<Plan, const char*> names[] = {
+      {chunk(16, false, false, false, false, false, 0), "cuda/chunkwise/v16"},
+      {chunk(128, false, true, false, false, false, 0), "cuda/chunkwise/v128/raw"},
+      {chunk(64, true, false, false, false, false, 0), "cuda/chunkwise/wgmma/v64"},
+      {chunk(128, true, false, true, true, false, 0), "cuda/chunkwise/wgmma/v128/tma/rv"},
+      {chunk(128, true, true, true, true, true, 0), "cuda/chunkwise/wgmma/v128/raw/tma/rv/kw"},
+      {chunk(128, true, true, false, true, false, 6), "cuda/chunkwise/wgmma/v128/raw/rv/split"},
+      {of(K::rowblock, 64), "cuda/rowblock/v64"},
+      {of(K::rowblock, 32), "cuda/rowblock/v32"},
+      {of(K::warp, 0, 64, 2), "cuda/recurrent/k64/ks2"},
+      {of(K::warp, 0, 128, 4), "cuda/recurrent/k128/ks4"},
+      {of(K::decode_columns, 32), "cuda/decode/w32"},
+      {of(K::decode_rowblock, 32), "cuda/decode/v32"},
+      {of(K::decode_rowblock, 128), "cuda/decode/v128"},
+      {of(K::decode_grouped, 64), "cuda/decode/v64g"},
+      {of(K::backward_recurrent, 0), "cuda/backward/recurrent"},
+  };
+  for (const auto& [plan, want] : names) {
+    const std::string got = dgps::cuda::impl_name(plan);
+    report_check(got == want, std::string("plan/name: ") + got + " (expected " + want + ")");
+  }
+}
+
 int main(int argc, char** argv) {
+  plan_names();
   if (!dgps::cuda::available() || !dgps::cuda_available()) {
-    std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
-    return 0;
+    std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run (plan names: %d failure(s))\n", g_failures);
+    return g_failures ? 1 : 0;
   }
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   cudaDeviceProp prop{};
