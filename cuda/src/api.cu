@@ -1,7 +1,6 @@
 /// @brief dgps::cuda public entry points: availability, workspace, validation and kernel dispatch.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -9,9 +8,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "dgps/cuda.hpp"
 #include "backward.cuh"
 #include "chunk.cuh"
+#include "dgps/cuda.hpp"
+#include "dgps/detail/check.hpp"
+#include "plan.hpp"
 #include "recurrent.cuh"
 
 namespace dgps::cuda {
@@ -35,7 +36,56 @@ void copy_strides(int64_t* dst, const Tensor& t) {
 
 enum class Call { forward, decode, backward };
 
-/// Host-side checks of a call (shapes, pointers, options); device tensor values are not read.
+/// check.hpp's view of a cuda::Tensor for its presence rules (detail::resolve, detail::reject_unused): the
+/// pointer alone (the implicit rank: no host-side shape is implied).
+TensorView<const char> presence(const Tensor& t) {
+  TensorView<const char> v;
+  v.data = static_cast<const char*>(t.data);
+  v.rank = t.data ? dgps::detail::kImplicitRank : 0;
+  return v;
+}
+
+/// The rules the CUDA entry points share with every backend (check.hpp): the options, and which tensors
+/// the model needs or must not be given. Their errors carry the "cuda: " prefix of this backend's.
+void check_shared(const Params& p, Call call) {
+  try {
+    Options o;
+    if (p.scale != 0.f) o.scale = p.scale;  // (0: the default 1/sqrt(K))
+    o.x = p.x, o.eps = p.eps;
+    double scale = 0;
+    dgps::detail::check_options(o, p.K, scale);
+    const std::string model = "by " + dgps::to_string(p.spec);
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &p.q}, {"k", &p.k}, {"v", &p.v}})
+      dgps::detail::resolve(name, presence(*t), {}, true, model);
+    if (call != Call::backward) dgps::detail::resolve("o", presence(p.o), {}, true, "by the forward");
+    if (p.spec.decay == decay::Kind::none)
+      dgps::detail::reject_unused("g", presence(p.g), "decay=none uses no g");
+    else
+      dgps::detail::resolve("g", presence(p.g), {}, true, model);
+    if (p.spec.gain == gain::Kind::unit)
+      dgps::detail::reject_unused("beta", presence(p.beta), "gain=unit uses no beta");
+    else
+      dgps::detail::resolve("beta", presence(p.beta), {}, true, model);
+    const bool diag = p.spec.precond != precond::Kind::identity;
+    for (const auto& [name, t] :
+         {std::pair<const char*, const Tensor*>{"g_p", &p.g_p}, {"beta_p", &p.beta_p}, {"center", &p.center}}) {
+      if (diag)
+        dgps::detail::resolve(name, presence(*t), {}, true, model);
+      else
+        dgps::detail::reject_unused(name, presence(*t), std::string("precond=identity uses no ") + name);
+    }
+    if (!diag) {
+      dgps::detail::reject_unused("a0", presence(p.a0), "precond=identity has no preconditioner state");
+      dgps::detail::reject_unused("aT", presence(p.aT), "precond=identity has no preconditioner state");
+    }
+  } catch (const Error& e) {
+    throw Error(std::string("cuda: ") + e.what());
+  }
+}
+
+/// Host-side checks of a call (shapes, pointers, options); device tensor values are not read. The rules
+/// every backend shares go through check.hpp (check_shared); the rest are this backend's: its models and
+/// sizes, the kernels' index ranges, and what decode needs.
 void check(const Params& p, Call call) {
   const bool decode = call == Call::decode;
   if (!supports(p.spec, p.algorithm))
@@ -48,19 +98,8 @@ void check(const Params& p, Call call) {
   if (p.K < 1 || p.K > 128) throw Error("cuda: key_dim must be in [1, 128], got " + std::to_string(p.K));
   require(p.V >= 1 && p.V <= (int64_t(1) << 30), "value_dim must be in [1, 2^30]");
   require(p.N <= 65535 && p.HV <= 65535, "at most 65535 sequences and 65535 value heads per call");
-  require(p.q.data && p.k.data && p.v.data, "q, k and v are required");
-  require(call == Call::backward || p.o.data, "o is required");
-  require(p.spec.decay == decay::Kind::none || p.g.data, "tensor 'g' is required by the decay");
-  require(p.spec.decay != decay::Kind::none || !p.g.data, "tensor 'g' was given but decay=none uses no g");
-  require(p.spec.gain == gain::Kind::unit || p.beta.data, "tensor 'beta' is required by gain=scalar");
-  require(p.spec.gain != gain::Kind::unit || !p.beta.data, "tensor 'beta' was given but gain=unit uses no beta");
+  check_shared(p, call);
   const bool diag = p.spec.precond != precond::Kind::identity;
-  require(!diag || (p.g_p.data && p.beta_p.data && p.center.data),
-          "tensors 'g_p', 'beta_p' and 'center' are required by the diagonal preconditioner");
-  require(diag || (!p.g_p.data && !p.beta_p.data && !p.center.data && !p.a0.data && !p.aT.data),
-          "precond=identity uses no g_p, beta_p, center, a0 or aT");
-  require(std::isfinite(p.scale) && std::isfinite(p.x) && p.x > 0 && std::isfinite(p.eps) && p.eps >= 0,
-          "options scale, x, eps must be finite, x > 0, eps >= 0");
   if (p.cu_seqlens) require(p.B == 1, "cu_seqlens requires batch == 1");
   if (!p.cu_seqlens) require(p.N == p.B, "without cu_seqlens N must equal B");
   if (decode) {
@@ -105,28 +144,28 @@ kernels::RecArgs make_args(const Params& p) {
 }
 
 template <class Tin>
-cudaError_t launch_typed(const kernels::RecArgs& a, cudaStream_t stream, bool decode, bool warp, const char** impl) {
-  if (decode) return kernels::launch_decode<Tin>(a, stream, impl, warp);
-  return warp ? kernels::launch_recurrent<Tin>(a, stream, impl) : kernels::launch_forward<Tin>(a, stream, impl);
+cudaError_t launch_typed(const kernels::RecArgs& a, const Plan& plan, cudaStream_t stream, bool decode) {
+  return decode ? kernels::launch_decode<Tin>(a, plan, stream) : kernels::launch_forward<Tin>(a, plan, stream);
 }
 
-/// DGPS_CUDA_KERNEL=warp forces the warp-per-column kernel (a testing knob; default: automatic).
-bool force_warp_kernel() {
-  const char* e = std::getenv("DGPS_CUDA_KERNEL");
-  return e && std::string(e) == "warp";
-}
-
-const char* launch(const kernels::RecArgs& a, DType dtype, cudaStream_t stream, bool decode) {
-  const char* impl = "cuda/recurrent";
-  const bool warp = force_warp_kernel();
+/// Launches the recurrent forward or the decode of `plan` for input type `dtype`; throws on a launch error.
+/// Returns the variant's name.
+const char* launch(const kernels::RecArgs& a, const Plan& plan, DType dtype, cudaStream_t stream, bool decode) {
   cudaError_t e = cudaSuccess;
   switch (dtype) {
-    case DType::f32: e = launch_typed<float>(a, stream, decode, warp, &impl); break;
-    case DType::bf16: e = launch_typed<__nv_bfloat16>(a, stream, decode, warp, &impl); break;
-    case DType::f16: e = launch_typed<__half>(a, stream, decode, warp, &impl); break;
+    case DType::f32:
+      e = launch_typed<float>(a, plan, stream, decode);
+      break;
+    case DType::bf16:
+      e = launch_typed<__nv_bfloat16>(a, plan, stream, decode);
+      break;
+    case DType::f16:
+      e = launch_typed<__half>(a, plan, stream, decode);
+      break;
   }
   throw_on(e, decode ? "decode kernel launch" : "recurrent kernel launch");
-  return impl;
+  record_plan(plan);
+  return impl_name(plan);
 }
 
 }  // namespace
@@ -169,26 +208,9 @@ bool is_device_pointer(const void* p) {
 
 namespace {
 
-/// Whether a forward call runs the chunkwise kernels: when asked to (they must cover the call), or
-/// automatically for 16-bit inputs (the tensor-core operands are 16-bit, so float32 inputs keep the
-/// float32 recurrent kernels' accuracy unless chunkwise is requested).
-bool use_chunkwise(const Params& p, const kernels::RecArgs& a) {
-  const bool covers = kernels::chunk_covers(a);
-  if (p.algorithm == Algorithm::chunkwise) {
-    if (!covers)
-      throw Error("cuda: the chunkwise kernels need key_dim <= " + std::to_string(kernels::kChunkKeys) +
-                  ", value_dim <= " + std::to_string(kernels::kChunkMaxV) + " and a GPU with at least " +
-                  std::to_string(kernels::layout::state_smem_bytes(16) / 1024) +
-                  " kB of shared memory per block; got K = " + std::to_string(p.K) + ", V = " + std::to_string(p.V) +
-                  ", " + std::to_string(kernels::chunk_max_smem() / 1024) + " kB");
-    return true;
-  }
-  return p.algorithm == Algorithm::automatic && covers && p.dtype != DType::f32 && !force_warp_kernel();
-}
-
 template <class Tin>
-cudaError_t launch_chunk_typed(const kernels::ChunkArgs& c, cudaStream_t s, const char** impl) {
-  return kernels::launch_chunkwise<Tin>(c, s, impl);
+cudaError_t launch_chunk_typed(const kernels::ChunkArgs& c, Plan& plan, cudaStream_t s) {
+  return kernels::launch_chunkwise<Tin>(c, plan, s);
 }
 
 /// Whether t's base is aligned to `bytes` and every stride is a multiple of `elems` elements.
@@ -219,71 +241,32 @@ kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
   return c;
 }
 
-/// Launches the chunkwise forward kernels of `c` (workspace laid out) for input type `d`; throws on a
+/// Launches the chunkwise kernels of `c` (workspace laid out) with `plan` for input type `d`; throws on a
 /// launch error. Returns the variant's name.
-const char* run_chunkwise(const kernels::ChunkArgs& c, DType d, cudaStream_t s) {
-  const char* impl = "cuda/chunkwise";
+const char* run_chunkwise(const kernels::ChunkArgs& c, Plan& plan, DType d, cudaStream_t s) {
   cudaError_t e = cudaSuccess;
   switch (d) {
-    case DType::f32: e = launch_chunk_typed<float>(c, s, &impl); break;
-    case DType::bf16: e = launch_chunk_typed<__nv_bfloat16>(c, s, &impl); break;
-    case DType::f16: e = launch_chunk_typed<__half>(c, s, &impl); break;
+    case DType::f32:
+      e = launch_chunk_typed<float>(c, plan, s);
+      break;
+    case DType::bf16:
+      e = launch_chunk_typed<__nv_bfloat16>(c, plan, s);
+      break;
+    case DType::f16:
+      e = launch_chunk_typed<__half>(c, plan, s);
+      break;
   }
   throw_on(e, "chunkwise kernel launch");
-  return impl;
+  record_plan(plan);
+  return impl_name(plan);
 }
 
-/// DGPS_CUDA_RAW_QK=0 keeps the intra-chunk kernel's Qn / KWn tiles where the raw rows could be read
-/// (a testing and benchmarking knob; default: raw rows where they apply).
-bool raw_rows_allowed() { return !kernels::knob_off("DGPS_CUDA_RAW_QK"); }
-
-/// DGPS_CUDA_RAW_V=0 keeps W and U from the intra-chunk kernel where the warpgroup state pass could form
-/// the residual from the raw v rows and Tm (a testing and benchmarking knob; ChunkArgs::raw_v).
-bool raw_v_allowed() { return !kernels::knob_off("DGPS_CUDA_RAW_V"); }
-
-const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Workspace& ws, cudaStream_t s) {
+const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Plan& plan, Workspace& ws, cudaStream_t s) {
   kernels::ChunkArgs c = make_chunk_args(p, a);
-  // The state pass reads q and k rows straight from the inputs (ChunkArgs::raw_q) where they are its
-  // operands already: 16-bit, 128 keys, 16-byte rows, the decays per token (not per channel); and
-  // only in its 8-warp configuration (many heads). With a producer warp (few, long sequences) the
-  // strided raw rows made it slower: B=1 T=32768 GDN 1.28 -> 1.80 ms, against B=8 T=2048 0.478 -> 0.470.
-  // On Hopper's warpgroup state pass (128-column tiles) the residual's products move there too
-  // (ChunkArgs::raw_v): the intra-chunk kernel writes the solve Tm (and, without raw k rows, K ⊙ e^gamma)
-  // instead of W and U, and reads no v rows.
-  auto choose_rows = [&] {
-    const bool raw = raw_rows_allowed() && p.dtype != DType::f32 && p.K == kernels::kChunkKeys && c.vec_qk &&
-                     a.decay != kernels::kDecayDiagonal && c.state_vt == 128;
-    c.raw_q = raw && a.precond != kernels::kPrecondATQ;
-    c.raw_kw = raw && a.precond != kernels::kPrecondATK;
-    c.raw_v = p.dtype != DType::f32 && c.state_vt == 128 && a.online && p.V == kernels::kChunkMaxV &&
-              vec_rows(p.v, p.V) && raw_v_allowed() &&
-              (p.dtype == DType::f16 ? kernels::chunk_wg_pass<__half>(c) : kernels::chunk_wg_pass<__nv_bfloat16>(c));
-    // DiagonalATK: the warpgroup pass forms the write keys from its raw k rows (ChunkArgs::kw_state), but
-    // not in the split pass, whose first pass (no outputs: a shorter chain per chunk) then waited on
-    // them (B=1 T=32768 PGDN 0.864 -> 1.044 ms); DGPS_CUDA_KW_STATE=0 keeps the intra-chunk kernel's KW
-    // tiles everywhere, DGPS_CUDA_KW_STATE=1 forces it in the split pass too (testing and benchmarking knobs).
-    const char* kw_knob = std::getenv("DGPS_CUDA_KW_STATE");
-    const std::string kw = kw_knob ? kw_knob : "";
-    c.kw_state = c.raw_v && c.raw_q && a.precond == kernels::kPrecondATK && kw != "0" && (c.split <= 1 || kw == "1");
-  };
-  // Few long sequences: the warpgroup pass with 128-column tiles over segments of each sequence
-  // (ChunkArgs::split), where it has raw v rows; else the narrow tiles state_value_tile chose.
-  const int narrow = c.state_vt;
-  c.split = kernels::split_segments(c);
-  if (c.split > 1) c.state_vt = 128;
-  choose_rows();
-  if (c.split > 1 && !c.raw_v) {
-    c.split = 0;
-    c.seg_chunks = 0;
-    c.state_vt = narrow;
-    choose_rows();
-  }
-  // The statistics entering each chunk by the intra-chunk kernel's look-back instead of the sums and
-  // scan kernels (ChunkArgs::lookback): PGDN B=8 T=2048 0.976, B=4 T=8192 H=32 0.938 of the time.
-  c.lookback = a.precond != kernels::kPrecondIdentity && !kernels::knob_off("DGPS_CUDA_LOOKBACK");
+  plan_chunkwise(plan, p, c);
   void* base = ws.get(kernels::chunk_workspace(c, nullptr));
   kernels::chunk_workspace(c, base);
-  return run_chunkwise(c, p.dtype, s);
+  return run_chunkwise(c, plan, p.dtype, s);
 }
 
 }  // namespace
@@ -294,9 +277,9 @@ const char* forward(const Params& p, Workspace& ws, void* stream) {
   ws.set_saved_forward(0);
   const kernels::RecArgs a = make_args(p);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // T = 0 has no chunks: the recurrent kernel copies h0/a0 to hT/aT.
-  if (p.T > 0 && use_chunkwise(p, a)) return launch_chunkwise(p, a, ws, s);
-  return launch(a, p.dtype, s, false);
+  Plan plan = plan_forward(p, a);
+  if (plan.kernel == Plan::Kernel::chunkwise) return launch_chunkwise(p, a, plan, ws, s);
+  return launch(a, plan, p.dtype, s, false);
 }
 
 const char* decode(const Params& p, Workspace& ws, void* stream) {
@@ -312,7 +295,7 @@ const char* decode(const Params& p, Workspace& ws, void* stream) {
     for (int d = 0; d < 3; ++d) a.saT[d] = a.sa0[d];
     a.a_copy = static_cast<float*>(ws.get(sizeof(float) * size_t(p.N) * size_t(p.H) * size_t(p.K)));
   }
-  return launch(a, p.dtype, s, true);
+  return launch(a, plan_decode(a), p.dtype, s, true);
 }
 
 namespace {
@@ -385,14 +368,6 @@ uint64_t fingerprint(const Params& p) {
   return h ? h : 1;
 }
 
-/// Whether a backward call runs the chunkwise (tensor-core) kernels: for 16-bit inputs unless the
-/// recurrent algorithm is asked for (float32 inputs only when chunkwise is asked for), when they cover it.
-bool use_chunk_backward(const Params& p, const kernels::RecArgs& a) {
-  if (p.T == 0 || p.algorithm == Algorithm::recurrent || force_warp_kernel()) return false;
-  const bool half = p.dtype != DType::f32 || p.algorithm == Algorithm::chunkwise;
-  return kernels::chunk_backward_covers(a, half);
-}
-
 /// The backward's arguments and workspace layout: with the chunkwise kernels (`c` non-null), their
 /// 16-bit tiles follow the float32 arrays. Returns the total bytes; points everything into `base`.
 size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
@@ -402,10 +377,10 @@ size_t layout_backward(kernels::BwdArgs& b, kernels::ChunkArgs* c, void* base) {
   return head + kernels::chunk_workspace(*c, base ? static_cast<char*>(base) + head : nullptr);
 }
 
-/// Sets up the chunkwise backward's arguments of `p` in `c` (null when it does not run) and returns them.
-kernels::ChunkArgs* chunk_backward_args(const Params& p, const GradParams& g, kernels::BwdArgs& b,
+/// Sets up the chunkwise backward's arguments of `p` in `c` (null when `plan` is not chunkwise) and returns them.
+kernels::ChunkArgs* chunk_backward_args(const Params& p, const Plan& plan, const GradParams& g, kernels::BwdArgs& b,
                                         kernels::ChunkArgs& c, bool training_forward = false) {
-  if (!use_chunk_backward(p, b.a)) return nullptr;
+  if (plan.kernel != Plan::Kernel::backward_chunkwise) return nullptr;
   kernels::RecArgs a = b.a;
   if (!training_forward) a.o = nullptr, a.hT = nullptr, a.aT = nullptr;  // the forward's outputs are not written
   c = make_chunk_args(p, a);
@@ -420,7 +395,7 @@ kernels::ChunkArgs* chunk_backward_args(const Params& p, const GradParams& g, ke
 size_t backward_workspace_bytes(const Params& p) {
   kernels::BwdArgs b = make_bwd_args(p, GradParams{});
   kernels::ChunkArgs c;
-  return layout_backward(b, chunk_backward_args(p, GradParams{}, b, c), nullptr);
+  return layout_backward(b, chunk_backward_args(p, plan_backward(p, b.a), GradParams{}, b, c), nullptr);
 }
 
 const char* forward_training(const Params& p, Workspace& ws, void* stream) {
@@ -428,12 +403,13 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream) {
   check(p, Call::forward);
   kernels::BwdArgs b = make_bwd_args(p, GradParams{});
   kernels::ChunkArgs c;
-  kernels::ChunkArgs* cp = chunk_backward_args(p, GradParams{}, b, c, true);
+  kernels::ChunkArgs* cp = chunk_backward_args(p, plan_backward(p, b.a), GradParams{}, b, c, true);
   if (!cp) return forward(p, ws, stream);  // the backward is not chunkwise: nothing to keep
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
   ws.set_saved_forward(0);  // until the launch succeeded
-  const char* impl = run_chunkwise(c, p.dtype, static_cast<cudaStream_t>(stream));
+  Plan plan = plan_backward_mode(c);
+  const char* impl = run_chunkwise(c, plan, p.dtype, static_cast<cudaStream_t>(stream));
   ws.set_saved_forward(fingerprint(p));
   return impl;
 }
@@ -444,7 +420,8 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   check_grads(p, g);
   kernels::BwdArgs b = make_bwd_args(p, g);
   kernels::ChunkArgs c;
-  kernels::ChunkArgs* cp = chunk_backward_args(p, g, b, c);
+  Plan plan = plan_backward(p, b.a);
+  kernels::ChunkArgs* cp = chunk_backward_args(p, plan, g, b, c);
   void* base = ws.get(layout_backward(b, cp, nullptr));
   layout_backward(b, cp, base);
   if (cp) c.saved = ws.saved_forward() != 0 && ws.saved_forward() == fingerprint(p);
@@ -457,8 +434,9 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
     case DType::f16: e = launch_bwd_typed<__half>(b, s); break;
   }
   throw_on(e, "backward kernel launch");
-  if (!cp) return "cuda/backward/recurrent";
-  return c.saved ? "cuda/backward/chunkwise/saved" : "cuda/backward/chunkwise";
+  plan.saved = cp && c.saved;
+  record_plan(plan);
+  return impl_name(plan);
 }
 
 }  // namespace dgps::cuda

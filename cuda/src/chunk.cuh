@@ -46,6 +46,7 @@
 
 #include <cuda_runtime.h>
 
+#include "plan.hpp"
 #include "recurrent.cuh"
 
 namespace dgps::cuda::kernels {
@@ -221,7 +222,6 @@ struct ChunkArgs {
   /// grid is one-dimensional, its blocks ordered so that a chunk's predecessors have smaller indices
   /// (chunk index major with equal-length sequences, global chunk major with packed ones): a block waits
   /// only on blocks dispatched before it. The workspace has no sums then (nor Ain without kw_state).
-  /// DGPS_CUDA_LOOKBACK=0 keeps the sums and scan kernels (a testing and benchmarking knob).
   bool lookback = false;
   /// [2, chunk_bound, HV, 128] words (st_word; zeroed per call): the chunks' statistics from zero with
   /// their products of e^g_p, then the statistics leaving them
@@ -237,15 +237,16 @@ struct ChunkArgs {
   /// and the rows' e^g_p and beta_p, which the intra-chunk kernel writes to `pg`, exactly as the
   /// intra-chunk kernel forms them for its Akk (the same operations on the same values: the same bits),
   /// so KWn is neither allocated nor written (16 KB less traffic per tile each way). Not in the split
-  /// pass (its first pass waited on the write keys) unless DGPS_CUDA_KW_STATE=1.
+  /// pass (its first pass would wait on the write keys).
   bool kw_state = false;
   float* pg = nullptr;  ///< [chunk_bound, HV, 2, C] kw_state: e^g_p of the chunk's rows, then beta_p (0 past L)
-  /// Set by the launcher when the warpgroup state pass follows: the intra-chunk kernel writes W, Qn, KWn,
+  /// Set by the plan when the warpgroup state pass follows: the intra-chunk kernel writes W, Qn, KWn,
   /// P and U blocked (element (r, c) of a tile at c / 8 * 8 C + r * 8 + c % 8: wgmma.cuh's packed layout),
   /// so that the pass copies each tile whole.
   bool blocked = false;
-  /// Set by the launcher when the warpgroup state pass copies the raw q and k rows with the copy
-  /// engine (tensor maps over q and k, whose boxes land as packed blocked tiles) instead of cp.async.
+  /// Set by the plan (and cleared by the launcher where a tensor map cannot be made) when the warpgroup
+  /// state pass copies the raw q and k rows with the copy engine (tensor maps over q and k, whose boxes
+  /// land as packed blocked tiles) instead of cp.async.
   bool tma_rows = false;
   float* rn = nullptr;  ///< [chunk_bound, HV, 2, C] inverse norms of the chunk's q rows, then its k rows
   /// Forward on the warpgroup state pass with 128-column tiles, 16-bit inputs, an Online solve and V =
@@ -304,24 +305,27 @@ int state_value_tile(const RecArgs& a, int Vpad);
 /// Segments per sequence of the split state pass (ChunkArgs::split) for a call with 128-column tiles
 /// and raw v rows: 0 (no split) unless the sequences have equal lengths, few (sequence, value head)
 /// pairs leave most SMs idle (at most a sixth of them busy) and the sequences are long (16 chunks per
-/// segment at least). DGPS_CUDA_SPLIT=0 turns it off; DGPS_CUDA_SPLIT=n (n > 0) forces segments of n
-/// chunks wherever the split applies at all (a testing knob). Sets c.seg_chunks (the caller sets c.split).
-int split_segments(ChunkArgs& c);
+/// segment at least). `forced`: 0 turns it off, n > 0 forces segments of n chunks wherever the split
+/// applies at all (the tests' plan override), negative leaves the automatic choice. Sets c.seg_chunks
+/// (the caller sets c.split).
+int split_segments(ChunkArgs& c, int64_t forced);
 
 /// True when the chunkwise kernels cover the call: Identity or diagonal preconditioner, every decay,
 /// K <= 128, V <= 128, and the device has the shared memory of the smallest variant
 /// (about 142 kB per block: Hopper and A100 class GPUs).
 bool chunk_covers(const RecArgs& a);
 
-/// True when the forward's sequential pass of `c` runs on warpgroup products (state_wg_kernel: Hopper
-/// with its sm_90a code, 64- or 128-column tiles, not backward mode, DGPS_CUDA_WGMMA not 0) for input type Tin.
+/// True when the forward's sequential pass of `c` can run on warpgroup products (state_wg_kernel: Hopper
+/// with its sm_90a code, 64- or 128-column tiles, not backward mode) for input type Tin.
 template <class Tin>
 bool chunk_wg_pass(const ChunkArgs& c);
 
-/// Launches the chunkwise forward for input type Tin (float, __nv_bfloat16 or __half). The tensor-core
-/// operands are f16 for __half inputs, bf16 otherwise. Names the variant in `impl`.
+/// Launches the chunkwise forward of `c` (its choices set by plan_chunkwise) for input type Tin (float,
+/// __nv_bfloat16 or __half) with the launch choices of `plan`. The tensor-core operands are f16 for __half
+/// inputs, bf16 otherwise. Where the driver cannot make a tensor map over the raw rows, the pass copies
+/// them by cp.async and `plan.tma` is cleared.
 template <class Tin>
-cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl);
+cudaError_t launch_chunkwise(const ChunkArgs& c, Plan& plan, cudaStream_t stream);
 
 struct BwdArgs;
 

@@ -4,6 +4,6 @@
 
 namespace dgps::cuda::kernels {
 template bool chunk_wg_pass<__nv_bfloat16>(const ChunkArgs&);
-template cudaError_t launch_chunkwise<__nv_bfloat16>(const ChunkArgs&, cudaStream_t, const char**);
+template cudaError_t launch_chunkwise<__nv_bfloat16>(const ChunkArgs&, Plan&, cudaStream_t);
 template cudaError_t launch_chunk_backward<__nv_bfloat16>(const ChunkArgs&, const BwdArgs&, cudaStream_t);
 }  // namespace dgps::cuda::kernels

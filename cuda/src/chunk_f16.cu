@@ -4,6 +4,6 @@
 
 namespace dgps::cuda::kernels {
 template bool chunk_wg_pass<__half>(const ChunkArgs&);
-template cudaError_t launch_chunkwise<__half>(const ChunkArgs&, cudaStream_t, const char**);
+template cudaError_t launch_chunkwise<__half>(const ChunkArgs&, Plan&, cudaStream_t);
 template cudaError_t launch_chunk_backward<__half>(const ChunkArgs&, const BwdArgs&, cudaStream_t);
 }  // namespace dgps::cuda::kernels

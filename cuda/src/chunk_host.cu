@@ -1,6 +1,5 @@
 /// @brief Host side of the chunkwise forward: coverage and the workspace layout.
 #include <algorithm>
-#include <cstdlib>
 
 #include "chunk.cuh"
 
@@ -27,14 +26,13 @@ int state_value_tile(const RecArgs& a, int Vpad) {
   return 16;
 }
 
-int split_segments(ChunkArgs& c) {
+int split_segments(ChunkArgs& c, int64_t forced) {
   const RecArgs& a = c.a;
   c.seg_chunks = 0;
   const int64_t count = c.chunks_per_seq;
-  if (a.cu_seqlens || count < 2 || knob_off("DGPS_CUDA_SPLIT")) return 0;
-  const char* forced = std::getenv("DGPS_CUDA_SPLIT");
-  int64_t per = forced ? std::atoll(forced) : 0;
-  if (per <= 0) {  // automatic: as many segments as idle SMs allow, 16 chunks each at least
+  if (a.cu_seqlens || count < 2 || forced == 0) return 0;
+  int64_t per = forced;
+  if (per < 0) {  // automatic: as many segments as idle SMs allow, 16 chunks each at least
     int sms = 132, dev = 0;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     const int64_t segs = std::min<int64_t>(sms / (int64_t(a.N) * a.HV), count / 16);

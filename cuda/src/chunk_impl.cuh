@@ -2401,9 +2401,6 @@ bool runs_sm90a(F* f) {
   return attr.ptxVersion >= 90 && attr.binaryVersion == 90;
 }
 
-/// DGPS_CUDA_WGMMA=0 keeps the mma.sync state pass on Hopper (a testing and benchmarking knob).
-bool wgmma_allowed() { return !knob_off("DGPS_CUDA_WGMMA"); }
-
 /// True when the warpgroup state pass with 64 x WGS value columns runs here (sm_90a code, the shared
 /// memory it needs).
 template <class Tin, class Op, int WGS>
@@ -2428,16 +2425,20 @@ cudaError_t launch_state_wg_mode(const ChunkArgs& ca, const CUtensorMap& tq, con
 }
 /// Launches the warpgroup state pass (launch_state_wg_mode) in the instance of the call's decay and residual:
 /// Diagonal decay or not, raw v rows (16-bit inputs, 128 columns) or W and U. cudaErrorInvalidValue where
-/// no instance applies (the split pass without raw v rows).
+/// no instance applies (the split pass without raw v rows, or with kw_state).
 template <class Tin, class Op, int WGS, bool TR = false>
 cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                             cudaStream_t stream) {
   const bool diag = ca.a.decay == kDecayDiagonal;
   if constexpr (WGS == 2 && !std::is_same_v<Tin, float>) {  // raw v rows: 16-bit inputs, 128 columns
-    if (ca.raw_v)
-      return diag          ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgDiag | kWgRawV>(ca, tq, tk, tv, stream)
-             : ca.kw_state ? launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV | kWgKW>(ca, tq, tk, tv, stream)
-                           : launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV>(ca, tq, tk, tv, stream);
+    if (ca.raw_v && diag) return launch_state_wg_mode<Tin, Op, WGS, TR, kWgDiag | kWgRawV>(ca, tq, tk, tv, stream);
+    if (ca.raw_v && ca.kw_state) {
+      if constexpr (TR)
+        return cudaErrorInvalidValue;  // (kw_state: never in the split pass)
+      else
+        return launch_state_wg_mode<Tin, Op, WGS, false, kWgRawV | kWgKW>(ca, tq, tk, tv, stream);
+    }
+    if (ca.raw_v) return launch_state_wg_mode<Tin, Op, WGS, TR, kWgRawV>(ca, tq, tk, tv, stream);
   }
   if constexpr (!TR) {
     if (!ca.raw_v)
@@ -2525,10 +2526,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-/// True when the forward's sequential pass of `ca` runs state_wg_kernel (chunk_wg_pass).
+/// True when the forward's sequential pass of `ca` can run state_wg_kernel (chunk_wg_pass).
 template <class Tin, class Op>
 bool wg_pass_runs(const ChunkArgs& ca) {
-  return !ca.bwd && wgmma_allowed() && ca.state_vt >= 64 &&
+  return !ca.bwd && ca.state_vt >= 64 &&
          (ca.state_vt == 128 ? state_wg_runs<Tin, Op, 2>() : state_wg_runs<Tin, Op, 1>());
 }
 
@@ -2549,9 +2550,6 @@ inline bool raw_rows_map(CUtensorMap* m, const void* base, const int64_t* s, int
             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/// DGPS_CUDA_TMA=0 keeps the warpgroup state pass's raw rows on cp.async (a testing and benchmarking knob).
-bool tma_allowed() { return !knob_off("DGPS_CUDA_TMA"); }
-
 /// Launches an instance of the intra-chunk kernel with `bytes` of dynamic shared memory (its limit raised
 /// once per instance, to the largest layout's), as a programmatic dependent launch where `dependent`.
 template <auto Kernel>
@@ -2561,31 +2559,20 @@ cudaError_t launch_intra(const ChunkArgs& c, dim3 grid, size_t bytes, cudaStream
   return launch_ex(Kernel, grid, dim3(kThreads), bytes, stream, dependent, dim3(1, 1, 1), c);
 }
 
-/// The intra-chunk kernel's quad layout (four blocks per SM) that applies, or 0: the forward with scalar
-/// or no decay, raw q and raw v rows (the warpgroup pass, blocked tiles) of the Identity preconditioner
-/// (raw k rows too: GDN, DeltaNet) or of DiagonalATK (PGDN, PDN). DGPS_CUDA_QUAD=0 keeps the standard
-/// layout (a benchmarking knob).
-int intra_quad(const ChunkArgs& c) {
-  if (knob_off("DGPS_CUDA_QUAD") || c.a.decay == kDecayDiagonal || !c.raw_v || !c.raw_q || !c.blocked || c.bwd ||
-      !c.a.online)
-    return 0;
-  return c.a.precond == kPrecondIdentity && c.raw_kw ? kQuadIdentity : c.a.precond == kPrecondATK ? kQuadATK : 0;
-}
-
-/// Blocks of the persistent precond_sums_kernel instance `kernel`: as many as fit on the device at
-/// once (six per SM on Hopper: its two 16 KB buffers). DGPS_CUDA_SUMS_BLOCKS=n (n > 0) forces n blocks,
-/// so that small problems also give every block several chunks in turn (a testing knob, read per call).
-int precond_sums_blocks(const void* kernel) {
-  if (const char* forced = std::getenv("DGPS_CUDA_SUMS_BLOCKS"); forced && std::atoi(forced) > 0)
-    return std::atoi(forced);
+/// Blocks of the persistent precond_sums_kernel instance `kernel`: `forced` when positive (Plan::sums_blocks),
+/// else as many as fit on the device at once (six per SM on Hopper: its two 16 KB buffers).
+int precond_sums_blocks(const void* kernel, int forced) {
+  if (forced > 0) return forced;
   int sms = 132, dev = 0, per = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess) per = 1;
   return sms * std::max(per, 1);
 }
 
+/// Launches the chunkwise kernels of `ca` with the launch choices of `plan` (plan_chunkwise: layouts, grid
+/// sizes, dependent launches); clears plan.tma where a tensor map cannot be made.
 template <class Tin, class Op>
-cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
+cudaError_t launch_all(const ChunkArgs& ca, Plan& plan, cudaStream_t stream) {
   const RecArgs& a = ca.a;
   if (ca.chunk_bound == 0) return cudaSuccess;
   if (a.cu_seqlens) chunk_map_kernel<<<1, 256, 0, stream>>>(ca);
@@ -2595,27 +2582,26 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   } else if (a.precond != kPrecondIdentity) {
     const int64_t items = ca.chunk_bound * a.H;
     constexpr auto sums = precond_sums_kernel<Tin, Op>;
-    sums<<<static_cast<unsigned>(std::min<int64_t>(items, precond_sums_blocks(reinterpret_cast<const void*>(sums)))),
-           kThreads, 0, stream>>>(ca);
-    const cudaError_t e = launch_ex(precond_scan_kernel, dim3(a.N, a.H), dim3(kThreads), 0, stream,
-                                    programmatic_launch_supported(), dim3(1, 1, 1), ca);
+    const int blocks = precond_sums_blocks(reinterpret_cast<const void*>(sums), plan.sums_blocks);
+    sums<<<static_cast<unsigned>(std::min<int64_t>(items, blocks)), kThreads, 0, stream>>>(ca);
+    const cudaError_t e =
+        launch_ex(precond_scan_kernel, dim3(a.N, a.H), dim3(kThreads), 0, stream, plan.pdl, dim3(1, 1, 1), ca);
     if (e != cudaSuccess) return e;
   }
-  // Hopper: the warpgroup state pass where the tile is 64 or 128 value columns (few heads keep the
-  // 16- or 32-column mma.sync tiles: a warpgroup product is 64 value columns tall). The intra-chunk
-  // kernel then writes its tiles blocked for it.
-  const bool wg_pass = wg_pass_runs<Tin, Op>(ca);
+  // Hopper: the warpgroup state pass (ChunkArgs::blocked, the plan's choice), which this build must have.
+  const bool wg_pass = ca.blocked;
+  if (wg_pass && !wg_pass_runs<Tin, Op>(ca)) return cudaErrorInvalidValue;
   if (ca.raw_v && !wg_pass) return cudaErrorInvalidValue;  // the workspace has no W and U for another pass
   ChunkArgs c = ca;
-  c.blocked = wg_pass;
+  c.tma_rows = false;  // (set below where the tensor maps are made)
   const bool diag = a.decay == kDecayDiagonal;
   // (the look-back's grid is one-dimensional: lookback_item)
   const dim3 grid = ca.lookback ? dim3(static_cast<unsigned>(ca.chunk_bound * a.HV))
                                 : dim3(static_cast<unsigned>(ca.chunk_bound), a.HV);
   // After the statistics' scan, a programmatic dependent launch (Hopper): the blocks stage their q and k
   // rows while the scan finishes.
-  const bool dependent = a.precond != kPrecondIdentity && !ca.lookback && programmatic_launch_supported();
-  const int quad = intra_quad(c);
+  const bool dependent = a.precond != kPrecondIdentity && !ca.lookback && plan.pdl;
+  const int quad = plan.quad;
   constexpr auto quad_id = intra_kernel<Tin, Op, false, kQuadIdentity>;
   constexpr auto quad_atk = intra_kernel<Tin, Op, false, kQuadATK>;
   const size_t bytes = diag && ca.raw_v           ? intra_lean_smem_bytes()
@@ -2637,24 +2623,11 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
     CUtensorMap tq{}, tk{}, tv{};
     const bool f16 = std::is_same_v<Op, __half>;
     const int n_map = a.cu_seqlens ? 1 : a.N;
-    c.tma_rows = (ca.raw_q || ca.raw_kw || ca.raw_v) && tma_allowed() &&
-                 (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
+    c.tma_rows = ca.tma_rows && (!ca.raw_q || raw_rows_map(&tq, a.q, a.sq, a.T, a.H, n_map, f16)) &&
                  (!(ca.raw_kw || (ca.raw_v && ca.raw_q)) || raw_rows_map(&tk, a.k, a.sk, a.T, a.H, n_map, f16)) &&
                  (!ca.raw_v || raw_rows_map(&tv, a.v, a.sv, a.T, a.HV, n_map, f16));
-    // v128 + "/raw" (raw q, k rows) + "/tma" (raw rows by tensor copies) + "/rv" (raw v rows, Tm) + "/kw"
-    // (the write keys formed in the pass: kw_state) + "/split"
-    static const std::array<std::string, 32> names = [] {
-      std::array<std::string, 32> r;
-      for (int i = 0; i < 32; ++i)
-        r[i] = std::string("cuda/chunkwise/wgmma/v128") + (i & 4 ? "/raw" : "") + (i & 2 ? "/tma" : "") +
-               (i & 1 ? "/rv" : "") + (i & 16 ? "/kw" : "") + (i & 8 ? "/split" : "");
-      return r;
-    }();
+    plan.tma = c.tma_rows;
     const bool split = ca.split > 1;
-    *impl = ca.state_vt == 64 ? "cuda/chunkwise/wgmma/v64"
-                              : names[16 * ca.kw_state + 8 * split + 4 * (ca.raw_q || ca.raw_kw) + 2 * c.tma_rows +
-                                      ca.raw_v]
-                                    .c_str();
     if constexpr (!std::is_same_v<Tin, float>) {  // (raw v rows: 16-bit inputs only)
       if (split) {  // pass 1, the scan, pass 2
         if (ca.state_vt != 128 || !ca.raw_v) return cudaErrorInvalidValue;
@@ -2674,16 +2647,26 @@ cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** im
   }
   switch (ca.state_vt) {
     case 128:
-      *impl = ca.raw_q || ca.raw_kw ? "cuda/chunkwise/v128/raw" : "cuda/chunkwise/v128";
       return launch_state<Tin, Op, 128, 8>(ca, stream);
-    case 64: *impl = "cuda/chunkwise/v64"; return launch_state<Tin, Op, 64>(ca, stream);
-    case 32: *impl = "cuda/chunkwise/v32"; return launch_state<Tin, Op, 32>(ca, stream);
+    case 64:
+      return launch_state<Tin, Op, 64>(ca, stream);
+    case 32:
+      return launch_state<Tin, Op, 32>(ca, stream);
     default: break;
   }
-  *impl = "cuda/chunkwise/v16";
   // Three buffers (the producer two chunks ahead) where they fit (Hopper), else two.
   if (state_smem_bytes(16, 3) <= chunk_max_smem()) return launch_state<Tin, Op, 16, 4, 3>(ca, stream);
   return launch_state<Tin, Op, 16>(ca, stream);
+}
+
+/// The backward's entry (chunk_backward_impl.cuh): the intra-chunk kernel and the state pass of a
+/// backward-mode `ca` (no warpgroup pass, no quad layout, the sums kernel's default grid), named in `impl`.
+template <class Tin, class Op>
+cudaError_t launch_all(const ChunkArgs& ca, cudaStream_t stream, const char** impl) {
+  Plan plan = plan_backward_mode(ca);
+  const cudaError_t e = launch_all<Tin, Op>(ca, plan, stream);
+  *impl = impl_name(plan);
+  return e;
 }
 
 }  // namespace
@@ -2698,9 +2681,9 @@ bool chunk_wg_pass(const ChunkArgs& c) {
 }
 
 template <class Tin>
-cudaError_t launch_chunkwise(const ChunkArgs& c, cudaStream_t stream, const char** impl) {
+cudaError_t launch_chunkwise(const ChunkArgs& c, Plan& plan, cudaStream_t stream) {
   using Op = std::conditional_t<std::is_same_v<Tin, __half>, __half, __nv_bfloat16>;
-  return chunk::launch_all<Tin, Op>(c, stream, impl);
+  return chunk::launch_all<Tin, Op>(c, plan, stream);
 }
 
 }  // namespace dgps::cuda::kernels

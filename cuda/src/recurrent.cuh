@@ -2,17 +2,12 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 
 #include <cuda_runtime.h>
 
-namespace dgps::cuda::kernels {
+#include "plan.hpp"
 
-/// True when the environment variable `name` (a testing and benchmarking knob) is exactly "0".
-inline bool knob_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e && e[0] == '0' && e[1] == 0;
-}
+namespace dgps::cuda::kernels {
 
 /// Decay kinds as the kernels see them (SPEC §2).
 enum DecayKind : int { kDecayNone = 0, kDecayScalar = 1, kDecayDiagonal = 2 };
@@ -45,22 +40,44 @@ struct RecArgs {
   float scale = 1, log_x = 0, eps = 0;
 };
 
-/// Launches the recurrent forward over every (sequence, value head, value tile) with input type Tin
-/// (float, __nv_bfloat16 or __half). Returns the launch's error code and names the variant in `impl`.
-template <class Tin>
-cudaError_t launch_recurrent(const RecArgs& a, cudaStream_t stream, const char** impl);
+/// Tokens staged per group by the block-row kernel in decode with more than one token (calls normally
+/// carry 1 to 4 tokens); the forward stages 8.
+constexpr int kDecodeGroup = 4;
+/// Warps per block of decode_warp_kernel (32 value columns, the width the block-row kernel takes for
+/// small batches).
+constexpr int kDecodeWarps = 4;
 
-/// Launches the forward: the block-row kernel (16-byte state rows) when possible, else the warp kernel.
-template <class Tin>
-cudaError_t launch_forward(const RecArgs& a, cudaStream_t stream, const char** impl);
+/// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows): the block-row
+/// kernels apply.
+inline bool rowblock_vectorizable(const RecArgs& a) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return a.V % 4 == 0 && aligned(a.h0) && aligned(a.hT) && a.sh0[0] % 4 == 0 && a.sh0[1] % 4 == 0 &&
+         a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
+}
 
-/// Launches the decode kernels (a few tokens per sequence, states in place through h0/a0 = hT/aT;
-/// with a diagonal preconditioner a.a_copy is scratch for N * H * K floats). `warp`: the warp kernel.
+/// True when the current device runs the sm_90a build of the kernels (Hopper), the one compiled with
+/// grid_dependency_sync and the cluster barrier. Other GPUs run the portable build (PTX for sm_80,
+/// where both are no-ops), so the launches must not ask for dependent scheduling or clusters there.
+inline bool sm90_kernels() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major == 9;
+}
+
+/// Launches the recurrent forward of `plan` (Plan::Kernel::rowblock or warp) with input type Tin (float,
+/// __nv_bfloat16 or __half). Returns the launch's error code.
 template <class Tin>
-cudaError_t launch_decode(const RecArgs& a, cudaStream_t stream, const char** impl, bool warp = false);
+cudaError_t launch_forward(const RecArgs& a, const Plan& plan, cudaStream_t stream);
+
+/// Launches the decode of `plan` (plan_decode: a few tokens per sequence, states in place through h0/a0 =
+/// hT/aT; with a diagonal preconditioner a.a_copy is scratch for N * H * K floats).
+template <class Tin>
+cudaError_t launch_decode(const RecArgs& a, const Plan& plan, cudaStream_t stream);
 
 /// Copies a[slots[n], h, :] of a state pool into dst[n, h, :] (contiguous), before an in-place decode.
+/// `dependent`: as a programmatic dependent launch (Plan::pdl).
 cudaError_t launch_gather_precond_state(const float* a, const int64_t* sa, const int64_t* slots, int N, int H, int K,
-                                        float* dst, cudaStream_t stream);
+                                        float* dst, cudaStream_t stream, bool dependent);
 
 }  // namespace dgps::cuda::kernels

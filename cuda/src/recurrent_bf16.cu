@@ -2,7 +2,6 @@
 #include "rowblock_impl.cuh"
 
 namespace dgps::cuda::kernels {
-template cudaError_t launch_recurrent<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**);
-template cudaError_t launch_decode<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**, bool);
-template cudaError_t launch_forward<__nv_bfloat16>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_decode<__nv_bfloat16>(const RecArgs&, const Plan&, cudaStream_t);
+template cudaError_t launch_forward<__nv_bfloat16>(const RecArgs&, const Plan&, cudaStream_t);
 }  // namespace dgps::cuda::kernels

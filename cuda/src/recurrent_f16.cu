@@ -2,7 +2,6 @@
 #include "rowblock_impl.cuh"
 
 namespace dgps::cuda::kernels {
-template cudaError_t launch_recurrent<__half>(const RecArgs&, cudaStream_t, const char**);
-template cudaError_t launch_decode<__half>(const RecArgs&, cudaStream_t, const char**, bool);
-template cudaError_t launch_forward<__half>(const RecArgs&, cudaStream_t, const char**);
+template cudaError_t launch_decode<__half>(const RecArgs&, const Plan&, cudaStream_t);
+template cudaError_t launch_forward<__half>(const RecArgs&, const Plan&, cudaStream_t);
 }  // namespace dgps::cuda::kernels

@@ -11,9 +11,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <utility>
 
+#include "dgps/detail/squash.hpp"
 #include "recurrent.cuh"
 
 namespace dgps::cuda::kernels {
@@ -70,26 +70,6 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-/// True when the current device runs the sm_90a build of the kernels (Hopper), the one compiled with
-/// grid_dependency_sync and the cluster barrier. Other GPUs run the portable build (PTX for sm_80,
-/// where both are no-ops), so the launches must not ask for dependent scheduling or clusters there.
-inline bool sm90_kernels() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major == 9;
-}
-
-/// True when the kernels run as programmatic dependent launches: the sm_90a build (sm90_kernels) and
-/// DGPS_CUDA_PDL=0 (a testing knob) does not turn them off.
-inline bool programmatic_launch_supported() {
-  static const bool off = [] {
-    const char* e = std::getenv("DGPS_CUDA_PDL");
-    return e && e[0] == '0';
-  }();
-  return !off && sm90_kernels();
-}
-
 /// Launches `kernel` on `stream` with the launch attributes asked for. `dependent`: as a programmatic
 /// dependent launch (the kernel must call grid_dependency_sync() before reading global memory); in a
 /// CUDA graph capture it becomes a programmatic edge, so replays keep the early scheduling.
@@ -136,26 +116,11 @@ __device__ __forceinline__ void store_gate(void* p, int64_t i, int dtype, float 
     static_cast<float*>(p)[i] = x;
 }
 
-/// The squash of SPEC §2: r = log(A + eps) - center, s = r / (1 + |r|), M = exp(-log(x) s);
-/// M = x where A + eps is not positive (log(0) = -inf gives s = -1).
-__device__ __forceinline__ float squash(float A, float center, float log_x, float eps) {
-  const float ae = A + eps;
-  if (!(ae > 0.f)) return expf(log_x);
-  const float r = logf(ae) - center;
-  return expf(-log_x * (r / (1.f + fabsf(r))));
-}
-
-/// The squash's slopes at A (SPEC §2): dM/dA and dM/dcenter; both 0 where A + eps <= 0.
+/// The squash and its slopes (SPEC §2; dgps/detail/squash.hpp) under the names the backward's kernels call.
+using dgps::maths::squash;
 __device__ __forceinline__ void squash_slopes(float A, float M, float center, float log_x, float eps, float* dmda,
                                               float* dmdc) {
-  const float ae = A + eps;
-  if (!(ae > 0.f)) {
-    *dmda = *dmdc = 0.f;
-    return;
-  }
-  const float r = logf(ae) - center, den = 1.f + fabsf(r);
-  *dmdc = M * log_x / (den * den);
-  *dmda = -*dmdc / ae;
+  *dmda = dgps::maths::squash_slope(A, M, center, log_x, eps, dmdc);
 }
 
 template <int KS>
@@ -313,8 +278,8 @@ __global__ void __launch_bounds__(32) recurrent_kernel(const RecArgs a) {
           const int c = lane + 32 * j;
           const int p = tt * KP + c + 4 * (c / R);
           const float kn = s_k[p] * rk;
-          A[j] = s_gp[tt] * A[j] + s_bp[tt] * kn * kn;
-          const float M = squash(A[j], center, a.log_x, a.eps);
+          A[j] = maths::stats_step(A[j], s_gp[tt], s_bp[tt], kn);
+          const float M = maths::squash(A[j], center, a.log_x, a.eps);
           if (atk)
             s_kw[p] = kn * M;
           else
@@ -396,37 +361,24 @@ __global__ void __launch_bounds__(32) recurrent_kernel(const RecArgs a) {
 }
 
 template <class Tin, int KT, int KS>
-cudaError_t launch_variant(const RecArgs& a, cudaStream_t stream) {
+cudaError_t launch_variant(const RecArgs& a, cudaStream_t stream, bool dependent) {
   constexpr int VT = 32 / KS;
   const dim3 grid((a.V + VT - 1) / VT, a.HV, a.N);
   const size_t smem = StageLayout<KT, KS>::bytes(a.precond == kPrecondATK, a.decay == kDecayDiagonal);
-  return launch_ex(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream, programmatic_launch_supported(),
-                   dim3(1, 1, 1), a);
+  return launch_ex(recurrent_kernel<Tin, KT, KS>, grid, dim3(32), smem, stream, dependent, dim3(1, 1, 1), a);
 }
 
-/// Picks the rows-per-thread split: one thread per column when the grid already fills the GPU
-/// (about 4 warps per SM), else 2 or 4 threads per column for more parallelism.
-template <class Tin, int KT>
-cudaError_t launch_k(const RecArgs& a, cudaStream_t stream, const char** impl, int sms) {
-  const int64_t warps1 = int64_t(a.N) * a.HV * ((a.V + 31) / 32);
-  if (warps1 >= 4 * sms) {
-    *impl = KT == 64 ? "cuda/recurrent/k64/ks1" : "cuda/recurrent/k128/ks1";
-    return launch_variant<Tin, KT, 1>(a, stream);
-  }
-  if (2 * warps1 >= 4 * sms) {
-    *impl = KT == 64 ? "cuda/recurrent/k64/ks2" : "cuda/recurrent/k128/ks2";
-    return launch_variant<Tin, KT, 2>(a, stream);
-  }
-  *impl = KT == 64 ? "cuda/recurrent/k64/ks4" : "cuda/recurrent/k128/ks4";
-  return launch_variant<Tin, KT, 4>(a, stream);
-}
-
+/// Launches the warp kernel's variant of `plan` (Plan::warp_keys rows, Plan::warp_split threads per column).
 template <class Tin>
-cudaError_t launch_recurrent(const RecArgs& a, cudaStream_t stream, const char** impl) {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (a.K <= 64) return launch_k<Tin, 64>(a, stream, impl, sms);
-  return launch_k<Tin, 128>(a, stream, impl, sms);
+cudaError_t launch_warp(const RecArgs& a, const Plan& plan, cudaStream_t stream) {
+  const bool d = plan.pdl;
+  if (plan.warp_keys == 64)
+    return plan.warp_split == 1   ? launch_variant<Tin, 64, 1>(a, stream, d)
+           : plan.warp_split == 2 ? launch_variant<Tin, 64, 2>(a, stream, d)
+                                  : launch_variant<Tin, 64, 4>(a, stream, d);
+  return plan.warp_split == 1   ? launch_variant<Tin, 128, 1>(a, stream, d)
+         : plan.warp_split == 2 ? launch_variant<Tin, 128, 2>(a, stream, d)
+                                : launch_variant<Tin, 128, 4>(a, stream, d);
 }
 
 }  // namespace dgps::cuda::kernels

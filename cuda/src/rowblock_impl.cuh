@@ -10,8 +10,6 @@
 namespace dgps::cuda::kernels {
 
 constexpr int kRowThreads = 128;
-/// Tokens staged per group in decode (calls normally carry 1 to 4 tokens); the forward stages 8.
-constexpr int kDecodeGroup = 4;
 
 /// The raw inputs of one group of TG tokens as one thread loads them (prefetched into registers
 /// while the previous group runs): key channel c of k, q (and g for Diagonal decay), NV values
@@ -187,8 +185,8 @@ __global__ void __launch_bounds__(kRowThreads, NCG >= 32 ? 2 : (TG == 1 ? 4 : 3)
         float qn = s_q[tt][c] * (a.l2norm ? rsqrtf(sq + 1e-6f) : 1.f) * a.scale;
         float kw = kn;
         if (has_p) {  // SPEC §2: A = exp(g_p) A + beta_p k^2, M = squash(A)
-          A = s_gp[tt] * A + s_bp[tt] * kn * kn;
-          const float M = squash(A, center, a.log_x, a.eps);
+          A = maths::stats_step(A, s_gp[tt], s_bp[tt], kn);
+          const float M = maths::squash(A, center, a.log_x, a.eps);
           if (atk)
             kw = kn * M;
           else
@@ -289,10 +287,6 @@ cudaError_t launch_rowblock_variant(const RecArgs& a, cudaStream_t stream, bool 
   return launch_ex(rowblock_kernel<Tin, NCG, TG, GROUPED>, grid, dim3(kRowThreads), 0, stream, dependent, cluster, a);
 }
 
-/// Warps per block of decode_warp_kernel (32 value columns, the width the block-row kernel takes for
-/// small batches).
-constexpr int kDecodeWarps = 4;
-
 /// One-token decode for small batches: a warp per 8 value columns of one (sequence, value head),
 /// kDecodeWarps warps per block, and no shared memory or block barrier on the way. Lane l holds the
 /// 4 columns 4 (l % 2) .. + 3 of the warp's 8 and the state rows l / 2 + 16 i (i < 8), so each load
@@ -390,139 +384,53 @@ __global__ void __launch_bounds__(32 * kDecodeWarps) decode_warp_kernel(const Re
     if (vok && rg + 16 * i < K) *reinterpret_cast<float4*>(hT + (rg + 16 * i) * a.shT[2]) = S[i];
 }
 
-/// True when the state rows can be moved with 16-byte accesses (V % 4 == 0, aligned rows).
-inline bool rowblock_vectorizable(const RecArgs& a) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return a.V % 4 == 0 && aligned(a.h0) && aligned(a.hT) && a.sh0[0] % 4 == 0 && a.sh0[1] % 4 == 0 &&
-         a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
-}
-
-/// Decode, as programmatic dependent launches on Hopper (sm90_kernels). One token per call: 64
-/// columns per block, or 32 when that gives fewer than one block per SM (without a preconditioner
-/// decode_warp_kernel's 32 columns there), and one block per (sequence, key head) walking 64-column
-/// units when there are at least four such blocks per SM. More tokens: 128 columns per
-/// block when that fills the GPU twice over, else 32 (more, smaller blocks for small batches). States
-/// whose rows cannot be moved 16 bytes at a time use the warp kernel.
+/// Decode as `plan` (plan_decode) has it, as programmatic dependent launches where Plan::pdl: each call's
+/// blocks are resident and waiting when the previous kernel ends instead of being launched after it. With
+/// a diagonal preconditioner the blocks of a key head form a cluster (Plan::cluster_a) or read a private
+/// copy of the statistics (Plan::private_copy), which a small kernel gathers first.
 template <class Tin>
-cudaError_t launch_decode(const RecArgs& args, cudaStream_t stream, const char** impl, bool warp) {
+cudaError_t launch_decode(const RecArgs& args, const Plan& plan, cudaStream_t stream) {
   RecArgs a = args;
-  // With a diagonal preconditioner, every block of a key head reads its statistics a0 and one of them
-  // writes the updated ones back in place. For small batches the 32- and 64-column one-token kernels
-  // run each key head's blocks as one thread block cluster (at most 8 blocks, Hopper) and order the
-  // write after the reads with the cluster barrier (PGDN B = 1 graph replay 5.0 -> 4.6 µs); elsewhere
-  // the kernels read a private copy, one more small kernel (clusters made B = 64 and B = 256 slower:
-  // 88 -> 100 and 300 -> 358 µs), except the grouped kernel below, whose blocks own their key head.
-  const bool has_p = a.precond != kPrecondIdentity, rows16 = !warp && rowblock_vectorizable(a);
-  const bool one_token = a.T == 1 && !a.cu_seqlens;
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  // One token per call (the common case): 64 columns per block and one token staged, so four
-  // blocks fit per SM and their state reads and writes overlap better (B=256: 356 -> 276 µs for GDN,
-  // 384 -> 303 for PGDN; B=1: 4.2 -> 3.9 µs). Fewer than one such block per SM (small batches): 32
-  // columns, twice the blocks. DGPS_CUDA_DECODE_COLS=16|32|64 forces the width (a testing knob).
-  static const int forced = [] {
-    const char* e = std::getenv("DGPS_CUDA_DECODE_COLS");
-    return e ? std::atoi(e) : 0;
-  }();
-  const int cols = forced == 16 || forced == 32 || forced == 64    ? forced
-                   : int64_t(a.N) * a.HV * ((a.V + 63) / 64) < sms ? 32
-                                                                   : 64;
-  // Large batches, one token: one block per (sequence, key head) runs the group's value heads and
-  // column blocks in turn (rowblock_kernel's GROUPED), staging the key side once and owning the
-  // statistics (no private copy), when that still gives four blocks per SM. HV = 32, H = 16, one
-  // lease, against the 64-column blocks: B = 256 GDN 310 -> 290 µs, PGDN 353 -> 293; B = 64 PGDN
-  // 99 -> 86. DGPS_CUDA_DECODE_GROUPED=0|1 forces it off or on (a testing knob).
-  static const int grouped_knob = [] {
-    const char* e = std::getenv("DGPS_CUDA_DECODE_GROUPED");
-    return e ? std::atoi(e) : -1;
-  }();
-  const bool grouped = rows16 && one_token && cols == 64 &&
-                       (grouped_knob >= 0 ? grouped_knob == 1 : int64_t(a.N) * a.H >= 4 * int64_t(sms));
-  // Small batches, one token, no preconditioner: decode_warp_kernel (a warp per 8 columns, no block
-  // barrier; decode always passes the state as h0 = hT). B = 1, HV = 32, graph replay, one lease:
-  // GDN 3.43 -> 2.96 µs. With a preconditioner it took PGDN from 4.62 to 4.83 µs at best (the cluster
-  // barrier's release drains every load first; its loads also slowed GDN to 3.21), so those stay on
-  // the 32-column block-row kernel.
-  // DGPS_CUDA_DECODE_WARP=0 keeps that kernel for all (a testing and benchmarking knob;
-  // DGPS_CUDA_DECODE_COLS forces the block-row kernels too).
-  const bool by_warps = rows16 && one_token && !forced && cols == 32 && !has_p && a.K <= 128 && a.h0 && a.hT &&
-                        !knob_off("DGPS_CUDA_DECODE_WARP");
-  if (has_p && !grouped) {
-    const int64_t xblocks = (a.V + cols - 1) / cols, blocks = int64_t(a.N) * a.HV * xblocks;
-    a.cluster_a = rows16 && one_token && cols >= 32 && xblocks * a.group <= 8 && blocks <= 4 * int64_t(sms) &&
-                  sm90_kernels();
-    if (!a.cluster_a) {  // the private copy
-      const cudaError_t e = launch_gather_precond_state(a.a0, a.sa0, a.slots, a.N, a.H, a.K, a.a_copy, stream);
-      if (e != cudaSuccess) return e;
-      a.a0 = a.a_copy;
-      a.sa0[0] = int64_t(a.H) * a.K, a.sa0[1] = a.K, a.sa0[2] = 1;
-      a.a0_by_sequence = true;
-    }
+  a.cluster_a = plan.cluster_a;
+  const bool dependent = plan.pdl;
+  if (plan.private_copy) {
+    const cudaError_t e = launch_gather_precond_state(a.a0, a.sa0, a.slots, a.N, a.H, a.K, a.a_copy, stream, dependent);
+    if (e != cudaSuccess) return e;
+    a.a0 = a.a_copy;
+    a.sa0[0] = int64_t(a.H) * a.K, a.sa0[1] = a.K, a.sa0[2] = 1;
+    a.a0_by_sequence = true;
   }
-  if (!rows16) return launch_recurrent<Tin>(a, stream, impl);
-  // Programmatic dependent launch (Hopper): each call's blocks are resident and waiting when the
-  // previous kernel ends instead of being launched after it. B = 1, HV = 32, a CUDA graph of one-token
-  // calls: 3.7 -> 3.4 µs with the 32-column blocks (64 columns, no dependent launch: 3.9).
-  const bool dependent = programmatic_launch_supported();
-  if (by_warps) {
-    constexpr int bcols = 8 * kDecodeWarps;
-    const dim3 grid((a.V + bcols - 1) / bcols, a.HV, a.N), block(32 * kDecodeWarps), cluster(1, 1, 1);
-    *impl = "cuda/decode/w32";
-    if (a.gate_dtype == 1)
-      return launch_ex(decode_warp_kernel<Tin, __nv_bfloat16>, grid, block, 0, stream, dependent, cluster, a);
-    if (a.gate_dtype == 2)
-      return launch_ex(decode_warp_kernel<Tin, __half>, grid, block, 0, stream, dependent, cluster, a);
-    return launch_ex(decode_warp_kernel<Tin, float>, grid, block, 0, stream, dependent, cluster, a);
-  }
-  if (one_token) {
-    if (cols == 16) {
-      *impl = "cuda/decode/v16";
-      return launch_rowblock_variant<Tin, 4, 1>(a, stream, dependent);
+  switch (plan.kernel) {
+    case Plan::Kernel::decode_columns: {
+      constexpr int bcols = 8 * kDecodeWarps;
+      const dim3 grid((a.V + bcols - 1) / bcols, a.HV, a.N), block(32 * kDecodeWarps), cluster(1, 1, 1);
+      if (a.gate_dtype == 1)
+        return launch_ex(decode_warp_kernel<Tin, __nv_bfloat16>, grid, block, 0, stream, dependent, cluster, a);
+      if (a.gate_dtype == 2)
+        return launch_ex(decode_warp_kernel<Tin, __half>, grid, block, 0, stream, dependent, cluster, a);
+      return launch_ex(decode_warp_kernel<Tin, float>, grid, block, 0, stream, dependent, cluster, a);
     }
-    if (cols == 32) {
-      *impl = "cuda/decode/v32";
-      return launch_rowblock_variant<Tin, 8, 1>(a, stream, dependent);
-    }
-    if (grouped) {
-      *impl = "cuda/decode/v64g";
+    case Plan::Kernel::decode_grouped:
       return launch_rowblock_variant<Tin, 16, 1, true>(a, stream, dependent);
-    }
-    *impl = "cuda/decode/v64";
-    return launch_rowblock_variant<Tin, 16, 1>(a, stream, dependent);
+    case Plan::Kernel::decode_rowblock:
+      if (plan.tokens == 1)
+        return plan.cols == 32 ? launch_rowblock_variant<Tin, 8, 1>(a, stream, dependent)
+                               : launch_rowblock_variant<Tin, 16, 1>(a, stream, dependent);
+      return plan.cols == 128 ? launch_rowblock_variant<Tin, 32, kDecodeGroup>(a, stream, dependent)
+                              : launch_rowblock_variant<Tin, 8, kDecodeGroup>(a, stream, dependent);
+    default:
+      break;
   }
-  const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 127) / 128);
-  if (blocks >= 2 * sms) {
-    *impl = "cuda/decode/v128";
-    return launch_rowblock_variant<Tin, 32, kDecodeGroup>(a, stream, dependent);
-  }
-  *impl = "cuda/decode/v32";
-  return launch_rowblock_variant<Tin, 8, kDecodeGroup>(a, stream, dependent);
+  return launch_warp<Tin>(a, plan, stream);  // states whose rows cannot move 16 bytes at a time
 }
 
-/// Forward with the block-row kernel (16-byte state rows): 64 columns per block when that gives at
-/// least one block per SM, else 32. Returns false when the state layout does not allow it.
+/// The recurrent forward of `plan` (plan_forward): the block-row kernel (16-byte state rows; Plan::cols
+/// columns per block) or the warp kernel.
 template <class Tin>
-bool launch_rowblock_forward(const RecArgs& a, cudaStream_t stream, const char** impl, cudaError_t* err) {
-  if (!rowblock_vectorizable(a)) return false;
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int64_t blocks = int64_t(a.N) * a.HV * ((a.V + 63) / 64);
-  if (blocks >= sms) {
-    *impl = "cuda/rowblock/v64";
-    *err = launch_rowblock_variant<Tin, 16, 8>(a, stream);
-  } else {
-    *impl = "cuda/rowblock/v32";
-    *err = launch_rowblock_variant<Tin, 8, 8>(a, stream);
-  }
-  return true;
-}
-
-/// Forward: the block-row kernel when the state layout allows it, else the warp kernel.
-template <class Tin>
-cudaError_t launch_forward(const RecArgs& a, cudaStream_t stream, const char** impl) {
-  cudaError_t e = cudaSuccess;
-  if (launch_rowblock_forward<Tin>(a, stream, impl, &e)) return e;
-  return launch_recurrent<Tin>(a, stream, impl);
+cudaError_t launch_forward(const RecArgs& a, const Plan& plan, cudaStream_t stream) {
+  if (plan.kernel != Plan::Kernel::rowblock) return launch_warp<Tin>(a, plan, stream);
+  return plan.cols == 64 ? launch_rowblock_variant<Tin, 16, 8>(a, stream)
+                         : launch_rowblock_variant<Tin, 8, 8>(a, stream);
 }
 
 }  // namespace dgps::cuda::kernels

@@ -124,9 +124,8 @@ constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::
 /// products, "cuda/chunkwise/wgmma/v128/raw/tma" when it also copies the raw rows with tensor copies,
 /// ".../v128/raw/tma/rv" (or ".../v128/tma/rv" without raw q and k rows) when with the delta rule
 /// (16-bit inputs, V = 128) it also forms the residual from the raw v rows and the intra-chunk solve
-/// instead of reading W and U;
-/// the environment variables DGPS_CUDA_WGMMA=0, DGPS_CUDA_TMA=0, DGPS_CUDA_RAW_QK=0 and DGPS_CUDA_RAW_V=0
-/// turn these off for testing and benchmarks), "cuda/rowblock/v64" (block-row kernel, 64 value
+/// instead of reading W and U, "/kw" when it also forms PGDN's and PDN's write keys, "/split" when a few long
+/// sequences' pass runs in segments), "cuda/rowblock/v64" (block-row kernel, 64 value
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
 /// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
 const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);
@@ -145,17 +144,14 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// per sequence) and writing them back in place (`p.hT`/`p.aT` must equal `p.h0`/`p.a0` or be null,
 /// which means the same). Equal to `forward` with h0 = hT = state. On Hopper (sm_90) the kernels are
 /// programmatic dependent launches (also inside a CUDA graph capture): their blocks are scheduled
-/// while the previous kernel on the stream finishes and wait for it before reading anything
-/// (DGPS_CUDA_PDL=0 turns this off); with a diagonal preconditioner and a small batch each key head's
+/// while the previous kernel on the stream finishes and wait for it before reading anything; with a
+/// diagonal preconditioner and a small batch each key head's
 /// blocks form a thread block cluster; with a large batch (at least four (sequence, key head) pairs
 /// per SM) and one token, one block per (sequence, key head) runs all its value heads and updates the
 /// statistics it owns; with a small batch, one token and no preconditioner, a warp per 8 value
 /// columns and no block barrier. Returns "cuda/decode/v64g" (that grouped kernel), "cuda/decode/w32"
 /// (the warp-column kernel), "cuda/decode/v64" or "cuda/decode/v32" (one token), "cuda/decode/v128"
-/// or "cuda/decode/v32" (more tokens), or the warp kernel's name; the environment variables
-/// DGPS_CUDA_DECODE_COLS=16|32|64 (the one-token block width), DGPS_CUDA_DECODE_GROUPED=0|1 (the
-/// grouped kernel) and DGPS_CUDA_DECODE_WARP=0 (no warp-column kernel) force a variant (testing,
-/// benchmarks).
+/// or "cuda/decode/v32" (more tokens), or the warp kernel's name.
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Cotangents and gradient destinations of a CUDA backward call (device tensors, same layouts as the

@@ -9,14 +9,23 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gpu_support.hpp"
+#include "plan.hpp"
+#include "squash_agreement.hpp"
 
 namespace {
 
 using namespace dgps_gpu_test;
+using dgps::cuda::Plan;
+using dgps::cuda::testing::PlanOverride;
+using dgps::cuda::testing::ScopedPlanOverride;
+
+/// The plan of the last CUDA call (compare's and gpu_forward's forward: the reference runs on the CPU).
+Plan last_plan() { return dgps::cuda::testing::last_plan(); }
 
 /// The algorithm the GPU runs in gpu_forward (tests switch it per section).
 dgps::Algorithm g_alg = dgps::Algorithm::automatic;
@@ -136,18 +145,24 @@ void random_cases(dgps::cuda::Workspace& ws, bool quick) {
   Case w3 = make_random("pmamba2", {.batch = 12, .time = 40, .heads = 8, .v_heads = 32, .key_dim = 64, .value_dim = 64},
                         {}, seed++);
   compare("rand/pmamba2/B12H8HV32K64", w3, DType::f32, DType::f32, ws, nullptr);
-  // The warp-per-column kernel (used when state rows cannot move 16 bytes at a time), forced.
-  setenv("DGPS_CUDA_KERNEL", "warp", 1);
-  for (const char* m : {"pgdn", "pkda", "pmamba2", "gla"}) {
-    Case c = make_random(m, {.batch = 2, .time = 100, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 64}, {},
-                         seed++);
-    compare(std::string("warp/") + m, c, DType::bf16, DType::f32, ws, nullptr);
-    compare(std::string("warp/") + m, c, DType::f32, DType::f32, ws, nullptr);
+  {  // The warp-per-column kernel (used when state rows cannot move 16 bytes at a time), forced.
+    PlanOverride warp;
+    warp.warp_kernel = true;
+    const ScopedPlanOverride forced(warp);
+    auto check_warp = [](const std::string& name, const std::string& impl) {
+      report_check(last_plan().kernel == Plan::Kernel::warp, name + ": the warp kernel ran (" + impl + ")");
+    };
+    for (const char* m : {"pgdn", "pkda", "pmamba2", "gla"}) {
+      Case c = make_random(m, {.batch = 2, .time = 100, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 64}, {},
+                           seed++);
+      const std::string name = std::string("warp/") + m;
+      check_warp(name, compare(name, c, DType::bf16, DType::f32, ws, nullptr));
+      check_warp(name, compare(name, c, DType::f32, DType::f32, ws, nullptr));
+    }
+    Case wl = make_random(
+        "pgdn", {.batch = 16, .time = 64, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {}, seed++);
+    check_warp("warp/pgdn/B16H16HV32", compare("warp/pgdn/B16H16HV32", wl, DType::f32, DType::f32, ws, nullptr));
   }
-  Case wl = make_random("pgdn", {.batch = 16, .time = 64, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
-                        {}, seed++);
-  compare("warp/pgdn/B16H16HV32", wl, DType::f32, DType::f32, ws, nullptr);
-  unsetenv("DGPS_CUDA_KERNEL");
   // Odd V (no 16-byte state rows): the warp kernel is chosen automatically, also for decode.
   Case odd = make_random("kda", {.batch = 2, .time = 50, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 30}, {},
                          seed++);
@@ -227,12 +242,12 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   // The state pass's raw q / k rows (16-bit inputs, K = 128, enough heads for its 8-warp variant;
   // ChunkArgs::raw_q): varlen with an empty and a one-token sequence (rows past a sequence's end are
   // zero-filled, the last chunk's also past the tensor's end), GVA, the norm off with another scale
-  // (models without the delta rule); then the same problems with DGPS_CUDA_RAW_QK=0 (the intra-chunk
-  // kernel's Qn / KWn tiles), and on Hopper's warpgroup state pass the raw rows by cp.async instead of
-  // tensor copies (DGPS_CUDA_TMA=0; with them, a sequence's last, partial chunk still goes by cp.async)
-  // and with W and U from the intra-chunk kernel instead of the residual from the raw v rows and Tm
-  // (DGPS_CUDA_RAW_V=0; raw v rows only with the delta rule's Online solve), and with raw rows the
-  // intra-chunk kernel's standard layout where its quad layout applies (DGPS_CUDA_QUAD=0; GDN, PGDN).
+  // (models without the delta rule); then the same problems without raw rows (allow_raw_qk: the
+  // intra-chunk kernel's Qn / KWn tiles), and on Hopper's warpgroup state pass the raw rows by cp.async
+  // instead of tensor copies (allow_tma; with them, a sequence's last, partial chunk still goes by
+  // cp.async) and with W and U from the intra-chunk kernel instead of the residual from the raw v rows and
+  // Tm (allow_raw_v; raw v rows only with the delta rule's Online solve), and with raw rows the
+  // intra-chunk kernel's standard layout where its quad layout applies (allow_quad; GDN, PGDN).
   struct RawMode {
     const char* tag;
     bool raw, tma, raw_v, quad = true;
@@ -240,10 +255,9 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
   for (const RawMode& r : {RawMode{"1", true, true, true}, RawMode{"0", false, true, true},
                            RawMode{"1/cp", true, false, true}, RawMode{"1/w", true, true, false},
                            RawMode{"1/std", true, true, true, false}}) {
-    setenv("DGPS_CUDA_RAW_QK", r.raw ? "1" : "0", 1);
-    setenv("DGPS_CUDA_TMA", r.tma ? "1" : "0", 1);
-    setenv("DGPS_CUDA_RAW_V", r.raw_v ? "1" : "0", 1);
-    setenv("DGPS_CUDA_QUAD", r.quad ? "1" : "0", 1);
+    PlanOverride mode;
+    mode.allow_raw_qk = r.raw, mode.allow_tma = r.tma, mode.allow_raw_v = r.raw_v, mode.allow_quad = r.quad;
+    const ScopedPlanOverride forced(mode);
     const std::string tag = std::string("chunk/raw") + r.tag + "/";
     for (const char* m : {"gdn", "pgdn", "pmamba2", "mamba2"}) {
       Case c = make_random(m, {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
@@ -251,20 +265,17 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       const bool mamba = std::string(m).find("mamba2") != std::string::npos;  // Offline: no raw v rows
       if (mamba) c.opt.l2norm_qk = false, c.opt.scale = 0.03;
       const std::string impl = compare(tag + m + "/varlen_K128", c, DType::bf16, DType::bf16, ws, nullptr);
-      report_check((impl.find("/raw") != std::string::npos) == r.raw, tag + m + ": variant " + impl);
-      const bool wg = impl.find("/wgmma/") != std::string::npos, rv = wg && r.raw_v && !mamba;
-      report_check((impl.find("/tma") != std::string::npos) == (wg && r.tma && (r.raw || rv)),
-                   tag + m + ": tensor copies " + impl);
-      report_check((impl.find("/rv") != std::string::npos) == rv, tag + m + ": raw v rows " + impl);
+      const Plan pl = last_plan();
+      report_check((pl.raw_q || pl.raw_kw) == r.raw, tag + m + ": variant " + impl);
+      const bool wg = pl.wgmma, rv = wg && r.raw_v && !mamba;
+      report_check(pl.tma == (wg && r.tma && (r.raw || rv)), tag + m + ": tensor copies " + impl);
+      report_check(pl.raw_v == rv, tag + m + ": raw v rows " + impl);
+      if (!r.quad) report_check(pl.quad == 0, tag + m + ": the standard intra-chunk layout " + impl);
       compare(tag + m + "/varlen_K128", c, DType::f16, DType::f32, ws, nullptr);
     }
   }
-  unsetenv("DGPS_CUDA_RAW_QK");
-  unsetenv("DGPS_CUDA_TMA");
-  unsetenv("DGPS_CUDA_RAW_V");
-  unsetenv("DGPS_CUDA_QUAD");
   // The state pass on Hopper's warpgroup products (sm_90a, the default there for 64- and 128-column
-  // tiles) and on mma.sync (DGPS_CUDA_WGMMA=0; narrower tiles; every other GPU): each value-tile width
+  // tiles) and on mma.sync (allow_wgmma off; narrower tiles; every other GPU): each value-tile width
   // (128 columns with raw rows and with Diagonal decay, 64, 32, and 32 of a 64-wide V, 16), an Offline
   // model (W S = 0), K = 64 (padded keys), packed sequences with empty and one-token ones, f16 operands.
   {
@@ -306,28 +317,30 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
          "v16"},
     };
     for (const char* wg : {"1", "0"}) {
-      setenv("DGPS_CUDA_WGMMA", wg, 1);
+      PlanOverride pass;
+      pass.allow_wgmma = wg[0] == '1';
+      const ScopedPlanOverride forced(pass);
       for (const WgCase& w : cases) {
         Case c = make_random(w.model, w.shape, w.cu, seed++);
         const std::string name = std::string("chunk/wgmma") + wg + "/" + w.model + "/" + w.tile;
         const std::string impl = compare(name, c, w.d, DType::f32, ws, nullptr);
         const std::string tile = w.tile;
         const bool want = wg[0] == '1' && hopper && (tile.rfind("v128", 0) == 0 || tile == "v64");
-        // Hopper copies the raw rows with tensor copies (DGPS_CUDA_TMA, on by default) and, with the
+        // Hopper copies the raw rows with tensor copies (on by default) and, with the
         // delta rule and 128-column tiles, v's too (ChunkArgs::raw_v: KDA's with its K ⊙ e^gamma tile,
         // K = 64's likewise).
         const std::string expect = !want || tile.rfind("v128", 0) != 0 ? tile : tile + (w.rv ? "/tma/rv" : "/tma");
-        report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + expect,
+        report_check(impl == std::string(want ? "cuda/chunkwise/wgmma/" : "cuda/chunkwise/") + expect &&
+                         last_plan().wgmma == want,
                      name + ": variant " + impl);
         if (quick) break;
       }
     }
-    unsetenv("DGPS_CUDA_WGMMA");
     // The split state pass (ChunkArgs::split: a few long sequences, Hopper's warpgroup pass with raw v
     // rows): forced segments of 3 chunks (the last segment and chunk partial) for each kind of k rows
     // (raw with raw q: GDN, DN; raw with the intra kernel's write key: PGDN, PDN; K ⊙ e^gamma: KDA,
     // PKDA, K = 64), two sequences, GVA, h0 in and hT out, the raw rows by cp.async once; then the
-    // automatic choice on one long sequence (96 chunks: 6 segments of 16), and DGPS_CUDA_SPLIT=0 there.
+    // automatic choice on one long sequence (96 chunks: 6 segments of 16), and no split there (split_chunks 0).
     struct SplitCase {
       const char* model;
       dgps::Shape shape;
@@ -347,8 +360,10 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         {"gdn", {.batch = 1, .time = 6144, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "0", true},
     };
     for (const SplitCase& w : splits) {
-      if (w.split[0]) setenv("DGPS_CUDA_SPLIT", w.split, 1);
-      setenv("DGPS_CUDA_TMA", w.tma ? "1" : "0", 1);
+      PlanOverride segs;
+      if (w.split[0]) segs.split_chunks = std::atoll(w.split);
+      segs.allow_tma = w.tma;
+      const ScopedPlanOverride forced(segs);
       Case c = make_random(w.model, w.shape, {}, seed++);
       const std::string name = std::string("chunk/split") + (w.split[0] ? w.split : "auto") + "/" + w.model + "/B" +
                                std::to_string(w.shape.batch) + "T" + std::to_string(w.shape.time) + "K" +
@@ -356,12 +371,12 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       for (DType d : {DType::bf16, DType::f16}) {
         const std::string impl = compare(name, c, d, DType::f32, ws, nullptr);
         const bool want = hopper && std::string(w.split) != "0";
-        report_check((impl.size() > 6 && impl.compare(impl.size() - 6, 6, "/split") == 0) == want,
+        const Plan pl = last_plan();
+        report_check((impl.size() > 6 && impl.compare(impl.size() - 6, 6, "/split") == 0) == want &&
+                         (pl.split > 1) == want && (!want || !w.split[0] || std::atoll(w.split) == pl.seg_chunks),
                      name + ": variant " + impl);
         if (quick) break;
       }
-      unsetenv("DGPS_CUDA_SPLIT");
-      unsetenv("DGPS_CUDA_TMA");
       if (quick) break;
     }
   }
@@ -462,9 +477,9 @@ void decode_case(const char* model, int64_t Tn, DType d, uint64_t seed, dgps::cu
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
   if (Tn == 1 && N * H >= 4 * sms)  // one block per (sequence, key head) walks the group's value heads
     report_check(impl == "cuda/decode/v64g", name + ": the grouped one-token kernel ran (" + impl + ")");
-  // Small batches, one token: a warp per 8 columns, or with a preconditioner (or the knob) 32-column blocks.
-  const char* warp_knob = std::getenv("DGPS_CUDA_DECODE_WARP");
-  const bool block_rows = diag_p || (warp_knob && warp_knob == std::string("0"));
+  // Small batches, one token: a warp per 8 columns, or with a preconditioner (or the override) 32-column blocks.
+  const PlanOverride* forced = dgps::cuda::testing::plan_override();
+  const bool block_rows = diag_p || (forced && !forced->allow_decode_columns);
   if (Tn == 1 && N * HV * ((V + 63) / 64) < sms && V % 4 == 0)
     report_check(impl == (block_rows ? "cuda/decode/v32" : "cuda/decode/w32"),
                  name + ": the expected one-token kernel ran (" + impl + ")");
@@ -538,22 +553,26 @@ void decode_graph_case(const char* model, int64_t N, uint64_t seed, dgps::cuda::
   }
 }
 
-/// (DGPS_CUDA_LOOKBACK=0 throughout: the forward's look-back replaces these kernels; the training forward
+/// (allow_lookback off throughout: the forward's look-back replaces these kernels; the training forward
 /// and the backward keep them.) The statistics' sums kernel is persistent (block b takes the (chunk, key
 /// head) items b, b + grid, ..., the next item's k rows in flight while it sums the current one). With
-/// DGPS_CUDA_SUMS_BLOCKS=3 every block takes many items in turn, among them a packed batch's chunks past
+/// sums_blocks = 3 every block takes many items in turn, among them a packed batch's chunks past
 /// its sequences' ends: the cp.async path (16-bit rows of 128: PGDN on packed sequences with an empty and
 /// a one-token one, PKDA), and the synchronous one (float32 inputs; K = 64: P-Mamba-2); then, without
-/// the knob, a problem with more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items,
+/// that override, a problem with more items than the default grid holds (B = 1, T = 8192, H = 8: 1024 items,
 /// 792 blocks on an H200).
 void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
   const ForceChunkwise chunkwise;
   uint64_t seed = 7100;
-  setenv("DGPS_CUDA_LOOKBACK", "0", 1);  // (the forward's default forms the statistics in the intra-chunk kernel)
-  setenv("DGPS_CUDA_SUMS_BLOCKS", "3", 1);
+  PlanOverride sums;
+  sums.allow_lookback = false;  // (the forward's default forms the statistics in the intra-chunk kernel)
+  const ScopedPlanOverride no_lookback(sums);
+  sums.sums_blocks = 3;
+  std::optional<ScopedPlanOverride> three(std::in_place, sums);
   Case pg = make_random("pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
                         {0, 1, 70, 70, 200, 300}, seed++);
   compare("chunk/sums3/pgdn/varlen_K128", pg, DType::bf16, DType::bf16, ws, nullptr);
+  report_check(!last_plan().lookback && last_plan().sums_blocks == 3, "chunk/sums3: the sums kernel on 3 blocks");
   Case pk = make_random("pkda", {.batch = 2, .time = 500, .heads = 4, .v_heads = 8, .key_dim = 128, .value_dim = 128},
                         {}, seed++);
   compare("chunk/sums3/pkda/B2T500", pk, DType::bf16, DType::f32, ws, nullptr);
@@ -565,14 +584,15 @@ void sums_cases(dgps::cuda::Workspace& ws, bool quick) {
     pm.opt.l2norm_qk = false, pm.opt.scale = 0.03;
     for (DType d : {DType::bf16, DType::f32}) compare("chunk/sums3/pmamba2/K64", pm, d, DType::f32, ws, nullptr);
   }
-  unsetenv("DGPS_CUDA_SUMS_BLOCKS");
+  three.reset();
   if (!quick) {
     Case big = make_random("pgdn",
                            {.batch = 1, .time = 8192, .heads = 8, .v_heads = 8, .key_dim = 128, .value_dim = 128}, {},
                            seed++);
     compare("chunk/sums/pgdn/B1T8192H8", big, DType::bf16, DType::bf16, ws, nullptr);
+    report_check(!last_plan().lookback && last_plan().sums_blocks == 0,
+                 "chunk/sums/pgdn/B1T8192H8: the sums kernel on its default grid");
   }
-  unsetenv("DGPS_CUDA_LOOKBACK");
 }
 
 /// The chunkwise forward of a model with a diagonal preconditioner on packed sequences of 40, 0 and 64
@@ -653,13 +673,14 @@ void public_api() {
 }  // namespace
 
 /// A model, shape, packed sequences (none: a batch) and input type of the cases that set one variant
-/// against another, with a knob set around the case ("VAR=value": DGPS_CUDA_VAR; none: "").
+/// against another, with a plan override set around the case (`tag` names it; none: "").
 struct VariantCase {
   const char* model;
   dgps::Shape shape;
   std::vector<int64_t> cu;
   DType d;
-  const char* knob = "";
+  const char* tag = "";
+  PlanOverride plan = {};
 };
 
 /// One check per output tensor that two runs' outputs `a` and `b` agree bit for bit (`how`: the two runs).
@@ -674,7 +695,7 @@ void same_bits(const std::string& name, const Arrays& a, const Arrays& b, const 
 
 /// The statistics entering each chunk by the intra-chunk kernel's look-back (ChunkArgs::lookback, the
 /// forward's default with a diagonal preconditioner) against the sums and scan kernels
-/// (DGPS_CUDA_LOOKBACK=0): the same statistics up to float32 association and the sums kernel's unrounded
+/// (allow_lookback off): the same statistics up to float32 association and the sums kernel's unrounded
 /// keys (aT within 1e-5 of each other relative to its largest element for float32 inputs, 4e-3 for 16-bit
 /// ones), both within the reference's tolerance, and two runs of the look-back give the same bits (its
 /// folds' order is fixed). Sequences longer than kLookback + 1 = 5 chunks (the chain through the
@@ -700,10 +721,14 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
     if (std::string(k.model) == "pmamba2") c.opt.l2norm_qk = false, c.opt.scale = 0.03;
     std::string impl[3];
     Arrays got[3];
+    PlanOverride sums;
+    sums.allow_lookback = false;
     for (int r = 0; r < 3; ++r) {  // the look-back twice, then the sums and scan kernels
-      if (r == 2) setenv("DGPS_CUDA_LOOKBACK", "0", 1);
+      std::optional<ScopedPlanOverride> forced;
+      if (r == 2) forced.emplace(sums);
       got[r] = gpu_forward(c, k.d, DType::f32, ws, &impl[r]);
-      unsetenv("DGPS_CUDA_LOOKBACK");
+      report_check(last_plan().lookback == (r < 2),
+                   name + ": the look-back ran " + (r < 2 ? "" : "not ") + "(" + impl[r] + ")");
     }
     compare(name, c, k.d, DType::f32, ws, nullptr);
     same_bits(name, got[0], got[1], "in two runs");
@@ -723,55 +748,71 @@ void lookback_cases(dgps::cuda::Workspace& ws, bool quick) {
   }
 }
 
-/// True when the variant `impl` formed DiagonalATK's write keys in the warpgroup state pass (kw_state).
-bool is_kw_state(const std::string& impl) { return impl.find("/rv/kw") != std::string::npos; }
-
-/// Runs case c (input type d) with the write keys formed by the state pass (DGPS_CUDA_KW_STATE=1) and by
-/// the intra-chunk kernel (=0), checks that o, hT and aT agree bit for bit, and returns the two variants.
-std::array<std::string, 2> kw_state_pair(const std::string& name, const Case& c, DType d, dgps::cuda::Workspace& ws) {
-  std::array<std::string, 2> impl;
+/// Runs case c (input type d) with the write keys formed by the state pass where it can (kw_state, the default)
+/// and by the intra-chunk kernel (allow_kw_state off), checks that o, hT and aT agree bit for bit, and returns the
+/// two plans (their names in `impl`).
+std::array<Plan, 2> kw_state_pair(const std::string& name, const Case& c, DType d, dgps::cuda::Workspace& ws,
+                                  std::array<std::string, 2>& impl) {
+  std::array<Plan, 2> plan;
   Arrays got[2];
+  const PlanOverride* outer = dgps::cuda::testing::plan_override();  // (a case's own override stays in force)
+  PlanOverride tiles = outer ? *outer : PlanOverride{};
+  tiles.allow_kw_state = false;
   for (int off = 0; off < 2; ++off) {
-    setenv("DGPS_CUDA_KW_STATE", off ? "0" : "1", 1);
+    std::optional<ScopedPlanOverride> forced;
+    if (off) forced.emplace(tiles);
     got[off] = gpu_forward(c, d, DType::f32, ws, &impl[off]);
-    unsetenv("DGPS_CUDA_KW_STATE");
+    plan[off] = last_plan();
   }
   same_bits(name, got[0], got[1], "with and without kw_state");
-  return impl;
+  return plan;
 }
 
 /// DiagonalATK's write keys formed by the warpgroup state pass (ChunkArgs::kw_state, the default for
 /// PGDN and PDN with 16-bit inputs and K = V = 128 on Hopper, variant "/kw") from its raw k rows, against
-/// the intra-chunk kernel's KW tiles (DGPS_CUDA_KW_STATE=0): both form them by the same operations on the
+/// the intra-chunk kernel's KW tiles (allow_kw_state off): both form them by the same operations on the
 /// same values, so o, hT and aT must agree bit for bit, and both lie within the tolerance of the float64
 /// reference (enough (sequence, value head) pairs for the pass's 128-column tiles, which kw_state
 /// needs). Packed sequences with an empty and a one-token one (rows past a sequence's end), GVA, f16,
-/// the raw rows by cp.async (DGPS_CUDA_TMA=0), and the split pass (segments of 3 chunks; kw_state only
-/// when forced there, DGPS_CUDA_KW_STATE=1: its first pass forms KW too).
+/// the raw rows by cp.async (allow_tma off), and the split pass (segments of 3 chunks), which keeps the
+/// intra-chunk kernel's KW tiles.
 void kw_state_cases(dgps::cuda::Workspace& ws, bool quick) {
   const ForceChunkwise chunkwise;
-  const VariantCase cases[] = {  // (knobs: "TMA=0" or "SPLIT=3", or none)
-      {"pgdn", {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
-       {0, 1, 70, 70, 200, 300}, DType::bf16, ""},
-      {"pdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
-       ""},
-      {"pgdn", {.batch = 1, .time = 300, .heads = 32, .v_heads = 32, .key_dim = 128, .value_dim = 128},
-       {0, 1, 70, 70, 200, 300}, DType::bf16, "TMA=0"},
-      {"pgdn", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, {}, DType::bf16,
-       "SPLIT=3"},
+  PlanOverride cp, split3;
+  cp.allow_tma = false;
+  split3.split_chunks = 3;
+  const VariantCase cases[] = {
+      {"pgdn",
+       {.batch = 1, .time = 300, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+       {0, 1, 70, 70, 200, 300},
+       DType::bf16},
+      {"pdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {}, DType::f16},
+      {"pgdn",
+       {.batch = 1, .time = 300, .heads = 32, .v_heads = 32, .key_dim = 128, .value_dim = 128},
+       {0, 1, 70, 70, 200, 300},
+       DType::bf16,
+       "cp.async",
+       cp},
+      {"pgdn",
+       {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128},
+       {},
+       DType::bf16,
+       "split3",
+       split3},
   };
   uint64_t seed = 7300;
   for (const VariantCase& k : cases) {
-    const std::string knob = k.knob, var = "DGPS_CUDA_" + knob.substr(0, knob.find('='));
-    const std::string name = std::string("chunk/kw_state/") + k.model + "/" + (knob.empty() ? "-" : knob);
-    if (!knob.empty()) setenv(var.c_str(), knob.substr(knob.find('=') + 1).c_str(), 1);
+    const std::string tag = k.tag;
+    const std::string name = std::string("chunk/kw_state/") + k.model + "/" + (tag.empty() ? "-" : tag);
+    const ScopedPlanOverride forced(k.plan);
     const Case c = make_random(k.model, k.shape, k.cu, seed++);
-    const std::array<std::string, 2> impl = kw_state_pair(name, c, k.d, ws);
+    std::array<std::string, 2> impl;
+    const std::array<Plan, 2> plan = kw_state_pair(name, c, k.d, ws, impl);
     const std::string dflt = compare(name, c, k.d, DType::f32, ws, nullptr);
-    const bool split = knob.rfind("SPLIT", 0) == 0;
-    report_check(is_kw_state(impl[0]) && !is_kw_state(impl[1]) && is_kw_state(dflt) == !split,
-                 name + ": variants " + impl[0] + ", " + impl[1] + ", by default " + dflt);
-    if (!knob.empty()) unsetenv(var.c_str());
+    const bool split = plan[0].split > 1;
+    report_check(
+        split == (tag == "split3") && plan[0].kw_state == !split && !plan[1].kw_state && last_plan().kw_state == !split,
+        name + ": variants " + impl[0] + ", " + impl[1] + ", by default " + dflt);
     if (quick) break;
   }
 }
@@ -792,18 +833,72 @@ void squash_cases(dgps::cuda::Workspace& ws) {
       const std::string name = std::string("chunk/squash/") + m + "/x=" + (x < 1 ? "0.7" : "3");
       compare(name, c, DType::bf16, DType::f32, ws, nullptr);
       if (std::string(m) != "pgdn") continue;
-      const std::array<std::string, 2> impl = kw_state_pair(name, c, DType::bf16, ws);
-      report_check(is_kw_state(impl[0]) && !is_kw_state(impl[1]), name + ": variants " + impl[0] + ", " + impl[1]);
+      std::array<std::string, 2> impl;
+      const std::array<Plan, 2> plan = kw_state_pair(name, c, DType::bf16, ws, impl);
+      report_check(plan[0].kw_state && !plan[1].kw_state, name + ": variants " + impl[0] + ", " + impl[1]);
     }
   }
 }
 
 namespace dgps_gpu_test { void unified_tests(); }  // test_cuda_unified.cpp
 
+/// The chunkwise kernels' approximate squash (squash_fast; squash_grad_fast with its slopes) against dgps::maths
+/// in float32 (logf, expf) over a grid of statistics, centers and bounds (squash_agreement): M within 2e-5 and the
+/// slopes within 5e-5 relative (the approximate log2, exp2 and reciprocals are good to a few ulp; the chunkwise
+/// kernels round M to 16 bits), and the slopes exactly 0 at the same points (A + eps <= 0).
+void squash_fast_cases() {
+  const SquashAgreement r = squash_agreement();
+  const std::string grid = std::to_string(r.points) + " points";
+  report("squash/fast", "M", r.m_fast, 2e-5, "squash_fast vs maths::squash, " + grid);
+  report("squash/grad_fast", "M", r.m_grad, 2e-5, "squash_grad_fast vs maths::squash, " + grid);
+  report("squash/grad_fast", "dA", r.dmda, 5e-5, "vs maths::squash_slope, " + grid);
+  report("squash/grad_fast", "dc", r.dmdc, 5e-5, "vs maths::squash_slope, " + grid);
+  report_check(r.zero_mismatch == 0, "squash/grad_fast: slopes 0 where maths::squash_slope's are (" +
+                                         std::to_string(r.zero_mismatch) + " points differ)");
+}
+
+/// The variant names impl_name gives plans (what the entry points return; host only, run without a GPU too).
+void plan_names() {
+  auto chunk = [](int vt, bool wg, bool raw, bool tma, bool rv, bool kw, int split) {
+    Plan p;
+    p.kernel = Plan::Kernel::chunkwise;
+    p.state_vt = vt, p.wgmma = wg, p.raw_q = raw, p.tma = tma, p.raw_v = rv, p.kw_state = kw, p.split = split;
+    return p;
+  };
+  auto of = [](Plan::Kernel k, int cols, int keys = 0, int split = 0) {
+    Plan p;
+    p.kernel = k, p.cols = cols, p.warp_keys = keys, p.warp_split = split;
+    return p;
+  };
+  using K = Plan::Kernel;
+  const std::pair<Plan, const char*> names[] = {
+      {chunk(16, false, false, false, false, false, 0), "cuda/chunkwise/v16"},
+      {chunk(128, false, true, false, false, false, 0), "cuda/chunkwise/v128/raw"},
+      {chunk(64, true, false, false, false, false, 0), "cuda/chunkwise/wgmma/v64"},
+      {chunk(128, true, false, true, true, false, 0), "cuda/chunkwise/wgmma/v128/tma/rv"},
+      {chunk(128, true, true, true, true, true, 0), "cuda/chunkwise/wgmma/v128/raw/tma/rv/kw"},
+      {chunk(128, true, true, false, true, false, 6), "cuda/chunkwise/wgmma/v128/raw/rv/split"},
+      {of(K::rowblock, 64), "cuda/rowblock/v64"},
+      {of(K::rowblock, 32), "cuda/rowblock/v32"},
+      {of(K::warp, 0, 64, 2), "cuda/recurrent/k64/ks2"},
+      {of(K::warp, 0, 128, 4), "cuda/recurrent/k128/ks4"},
+      {of(K::decode_columns, 32), "cuda/decode/w32"},
+      {of(K::decode_rowblock, 32), "cuda/decode/v32"},
+      {of(K::decode_rowblock, 128), "cuda/decode/v128"},
+      {of(K::decode_grouped, 64), "cuda/decode/v64g"},
+      {of(K::backward_recurrent, 0), "cuda/backward/recurrent"},
+  };
+  for (const auto& [plan, want] : names) {
+    const std::string got = dgps::cuda::impl_name(plan);
+    report_check(got == want, std::string("plan/name: ") + got + " (expected " + want + ")");
+  }
+}
+
 int main(int argc, char** argv) {
+  plan_names();
   if (!dgps::cuda::available() || !dgps::cuda_available()) {
-    std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run\n");
-    return 0;
+    std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run (plan names: %d failure(s))\n", g_failures);
+    return g_failures ? 1 : 0;
   }
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   cudaDeviceProp prop{};
@@ -817,6 +912,7 @@ int main(int argc, char** argv) {
       std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
       return g_failures ? 1 : 0;
     }
+    squash_fast_cases();
     conformance(ws);
     random_cases(ws, quick);
     chunkwise_cases(ws, quick);
@@ -836,10 +932,12 @@ int main(int argc, char** argv) {
       }
     // K < 128 (masked key channels) and V not a multiple of the block's 32 columns, one token.
     for (const char* m : {"pgdn", "kda", "gdn", "mamba2"}) decode_case(m, 1, DType::bf16, seed++, ws, 3, 100, 36);
-    // The 32-column block-row kernel without a preconditioner (DGPS_CUDA_DECODE_WARP=0).
-    setenv("DGPS_CUDA_DECODE_WARP", "0", 1);
-    for (const char* m : {"gdn", "kda"}) decode_case(m, 1, DType::bf16, seed++, ws);
-    unsetenv("DGPS_CUDA_DECODE_WARP");
+    {  // The 32-column block-row kernel without a preconditioner (allow_decode_columns off).
+      PlanOverride rows;
+      rows.allow_decode_columns = false;
+      const ScopedPlanOverride forced(rows);
+      for (const char* m : {"gdn", "kda"}) decode_case(m, 1, DType::bf16, seed++, ws);
+    }
     // Large batches: a preconditioner's statistics read from a private copy (not a cluster barrier).
     decode_case("pgdn", 1, DType::bf16, seed++, ws, 200);
     decode_case("pgdn", 3, DType::f32, seed++, ws, 200);
