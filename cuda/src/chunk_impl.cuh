@@ -15,6 +15,7 @@
 #include "chunk.cuh"
 #include "intra_chunk.cuh"
 #include "precond_stats.cuh"
+#include "ptx.cuh"
 #include "recurrent_impl.cuh"
 #include "state_pass.cuh"
 #include "state_pass_wg.cuh"
