@@ -9,6 +9,7 @@
 #include "recurrent_bwd_grad.cuh"
 #include "recurrent_bwd_keys.cuh"
 #include "recurrent_bwd_state.cuh"
+#include "recurrent_bwd_stats.cuh"
 #include "recurrent_impl.cuh"
 
 namespace dgps::cuda::kernels {
