@@ -1,4 +1,3 @@
-/// @file
 /// @brief Hopper warpgroup matrix multiplies (wgmma.mma_async, sm_90a only): shared-memory matrix
 /// descriptors, the m64nNk16 products on 16-bit operands (A from registers, B from shared memory) with
 /// float32 accumulators, and their fences; bulk copies into shared memory completing on mbarriers.
