@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 
 // The kernels' headers in the order the chunk_*.cu files include them (squash_fast, squash_grad_fast).
-#include "chunk_impl.cuh"
-// (after chunk_impl.cuh)
-#include "chunk_backward_impl.cuh"
+#include "launch/chunk_launch.cuh"
+// (after launch/chunk_launch.cuh)
+#include "launch/chunk_backward_launch.cuh"
 
 #include "dgps/detail/squash.hpp"
 #include "squash_agreement.hpp"

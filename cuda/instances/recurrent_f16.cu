@@ -1,0 +1,7 @@
+/// @brief Instantiates the warp, block-row and decode kernels for f16 inputs (one file per input type so builds parallelise).
+#include "kernels/recurrent_rowblock.cuh"
+
+namespace dgps::cuda::kernels {
+template cudaError_t launch_decode<__half>(const RecArgs&, const Plan&, cudaStream_t);
+template cudaError_t launch_forward<__half>(const RecArgs&, const Plan&, cudaStream_t);
+}  // namespace dgps::cuda::kernels

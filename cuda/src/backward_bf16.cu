@@ -1,6 +1,0 @@
-/// @brief Instantiates the backward kernels for bf16 inputs (one file per input type so builds parallelise).
-#include "backward_impl.cuh"
-
-namespace dgps::cuda::kernels {
-template cudaError_t launch_backward<__nv_bfloat16>(const BwdArgs&, cudaStream_t);
-}  // namespace dgps::cuda::kernels

@@ -1,7 +1,0 @@
-/// @brief Instantiates the warp, block-row and decode kernels for bf16 inputs (one file per input type so builds parallelise).
-#include "rowblock_impl.cuh"
-
-namespace dgps::cuda::kernels {
-template cudaError_t launch_decode<__nv_bfloat16>(const RecArgs&, const Plan&, cudaStream_t);
-template cudaError_t launch_forward<__nv_bfloat16>(const RecArgs&, const Plan&, cudaStream_t);
-}  // namespace dgps::cuda::kernels

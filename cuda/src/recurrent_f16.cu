@@ -1,7 +1,0 @@
-/// @brief Instantiates the warp, block-row and decode kernels for f16 inputs (one file per input type so builds parallelise).
-#include "rowblock_impl.cuh"
-
-namespace dgps::cuda::kernels {
-template cudaError_t launch_decode<__half>(const RecArgs&, const Plan&, cudaStream_t);
-template cudaError_t launch_forward<__half>(const RecArgs&, const Plan&, cudaStream_t);
-}  // namespace dgps::cuda::kernels
