@@ -7,9 +7,9 @@
 
 #include "launch/backward.cuh"
 #include "kernels/recurrent_bwd_grad.cuh"
+#include "kernels/recurrent_bwd_inputs.cuh"
 #include "kernels/recurrent_bwd_keys.cuh"
 #include "kernels/recurrent_bwd_state.cuh"
-#include "kernels/recurrent_bwd_stats.cuh"
 #include "kernels/recurrent_warp.cuh"
 
 namespace dgps::cuda::kernels {
