@@ -7,9 +7,9 @@
 
 #include "backward.cuh"
 #include "recurrent_bwd_grad.cuh"
+#include "recurrent_bwd_inputs.cuh"
 #include "recurrent_bwd_keys.cuh"
 #include "recurrent_bwd_state.cuh"
-#include "recurrent_bwd_stats.cuh"
 #include "recurrent_impl.cuh"
 
 namespace dgps::cuda::kernels {

@@ -1,4 +1,4 @@
-/// @brief The float32 backward's norms and preconditioner statistics (backward.cuh, steps 1 and 2).
+/// @brief The float32 backward's per-token inputs (backward.cuh, steps 1 and 2): normalised q, k and the statistics.
 #pragma once
 
 #include <cstdint>
