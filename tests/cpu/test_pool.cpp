@@ -9,7 +9,7 @@
 #include <future>
 #include <vector>
 
-#include "../backends/cpu/pool.hpp"
+#include "../../backends/cpu/pool.hpp"
 
 namespace {
 
