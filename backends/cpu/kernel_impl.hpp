@@ -687,8 +687,8 @@ void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, in
 /// (the user writes every element it reads first, or zeroes the block). Up to kKeepBytes it is a
 /// block kept by the calling thread across tasks and calls (grown on demand, freed at thread exit): a
 /// fresh multi-megabyte block per task paid a page fault per 4 KB on first touch. A larger request (a
-/// long sequence) gets a block of its own, freed with the lease, so that no thread keeps more than
-/// kKeepBytes alive. One lease at a time per thread (the chunkwise tasks run no nested parallel work).
+/// long sequence) gets a block of its own, freed with the loan, so that no thread keeps more than
+/// kKeepBytes alive. One loan at a time per thread (the chunkwise tasks run no nested parallel work).
 template <class T>
 class ScratchLease {
  public:
