@@ -202,28 +202,4 @@ Tensor tensor_of(const TensorView<T>& v) {
 }
 }  // namespace detail
 
-/// Builds the Params of a validated float32 Problem whose tensors are device pointers
-/// (`cu_seqlens` and `slots` are passed separately: they are device pointers too).
-inline Params params_from(const dgps::detail::Problem<float>& p, const int64_t* cu_seqlens, const int64_t* slots,
-                          Algorithm algorithm) {
-  Params c;
-  c.spec = p.spec;
-  c.dtype = DType::f32;
-  c.gate_dtype = DType::f32;
-  c.B = p.B, c.T = p.T_, c.H = p.H, c.HV = p.HV, c.K = p.K, c.V = p.V, c.N = p.N;
-  c.q = detail::tensor_of(p.q), c.k = detail::tensor_of(p.k), c.v = detail::tensor_of(p.v);
-  c.g = detail::tensor_of(p.g), c.beta = detail::tensor_of(p.beta);
-  c.g_p = detail::tensor_of(p.g_p), c.beta_p = detail::tensor_of(p.beta_p), c.center = detail::tensor_of(p.center);
-  c.h0 = detail::tensor_of(p.h0), c.a0 = detail::tensor_of(p.a0);
-  c.o = detail::tensor_of(p.o), c.hT = detail::tensor_of(p.hT), c.aT = detail::tensor_of(p.aT);
-  c.cu_seqlens = cu_seqlens;
-  c.slots = slots;
-  c.scale = static_cast<float>(p.scale);
-  c.x = static_cast<float>(p.x);
-  c.eps = static_cast<float>(p.eps);
-  c.l2norm = p.l2norm;
-  c.algorithm = algorithm;
-  return c;
-}
-
 }  // namespace dgps::cuda

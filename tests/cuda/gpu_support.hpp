@@ -269,4 +269,16 @@ inline Arrays reference_forward(const Case& c) {
 /// The backward-pass tests (test_cuda_backward.cpp); `quick`: float32 conformance and one small random case.
 void backward_tests(dgps::cuda::Workspace& ws, bool quick);
 
+/// FLA's metric rms(x - ref) / rms(ref) (rms(x - ref) when ref is zero); infinity if any x is not finite.
+inline double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {
+  if (x.size() != ref.size()) return INFINITY;
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) return INFINITY;
+    diff += (x[i] - ref[i]) * (x[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff / double(x.size() ? x.size() : 1));
+}
+
 }  // namespace dgps_gpu_test

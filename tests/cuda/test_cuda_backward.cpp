@@ -105,18 +105,6 @@ Arrays gpu_backward(const Case& c, DType d, DType gd, dgps::cuda::Workspace& ws,
   return r;
 }
 
-/// FLA's metric rms(x - ref) / rms(ref) (rms(x - ref) when ref is zero); infinity if any x is not finite.
-double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {
-  if (x.size() != ref.size()) return INFINITY;
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    diff += (x[i] - ref[i]) * (x[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff / double(x.size() ? x.size() : 1));
-}
-
 /// The tolerance of gradient `n`: 1e-4 (max relative error) for float32 arithmetic (`exact`); with 16-bit
 /// inputs or operands (rms_rel) 8e-3 for dq, dk, dv, dh0 and 2e-2 for the gate and preconditioner gradients.
 double grad_tolerance(const std::string& n, bool exact) {

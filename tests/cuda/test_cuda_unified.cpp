@@ -42,18 +42,6 @@ std::vector<double> widen(const std::vector<U>& v) {
   return std::vector<double>(v.begin(), v.end());
 }
 
-/// rms(x - ref) / rms(ref); infinity if any x is not finite.
-double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {
-  if (x.size() != ref.size()) return INFINITY;
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    diff += (x[i] - ref[i]) * (x[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
-
 dgps::Options on(dgps::Backend b) {
   dgps::Options o;
   o.backend = b;
