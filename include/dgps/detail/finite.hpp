@@ -1,6 +1,7 @@
 /// @brief Options::check_finite: rejects NaN and infinite values in a validated problem's float inputs.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
