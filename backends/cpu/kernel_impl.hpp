@@ -449,20 +449,31 @@ class Trickle {
 
 // AT: A given transposed (k-major, A^T[r][k] at A[k * lda + r]); the same register block, its row
 // operands broadcast from consecutive elements. `rs` (with acc): C's rows scaled first, C[r] = rs[r] C[r]
-// + (A B)[r] (a state's decay folded into its update, without a pass of its own over C).
+// + (A B)[r] (a state's decay folded into its update, without a pass of its own over C). From k = kt on,
+// A is lower-triangular (row r uses k <= kt + r only): the zeros above its diagonal are skipped, not
+// multiplied in, so a NaN or Inf in B's later rows never reaches earlier rows of C (0 * NaN is NaN).
 template <class T, int MR, int NV, bool AT = false>
 inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                       const T* rs) {
+                       const T* rs, int64_t kt) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   V c[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v)
       c[r][v] = acc ? (rs ? rs[r] * vload(C + r * ldc + v * L) : vload(C + r * ldc + v * L)) : V{};
-  for (int64_t k = 0; k < kd; ++k) {
+  const int64_t kf = kt < kd ? kt : kd;
+  for (int64_t k = 0; k < kf; ++k) {
     V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
     for (int r = 0; r < MR; ++r) {
+      const T a = AT ? A[k * lda + r] : A[r * lda + k];
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int64_t k = kf; k < kd; ++k) {
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
+    for (int r = int(k - kt); r < MR; ++r) {
       const T a = AT ? A[k * lda + r] : A[r * lda + k];
       for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
     }
@@ -473,10 +484,10 @@ inline void gemm_block(int64_t kd, const T* A, int64_t lda, const T* B, int64_t 
 
 template <class T, int NV, int MR = kMR, bool AT = false>
 inline void gemm_rows(int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-                      bool acc, const T* rs) {
+                      bool acc, const T* rs, int64_t kt) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc, rs);
-    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
+    if (mr == MR) return gemm_block<T, MR, NV, AT>(kd, A, lda, B, ldb, C, ldc, acc, rs, kt);
+    return gemm_rows<T, NV, MR - 1, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs, kt);
   }
 }
 
@@ -487,20 +498,21 @@ enum class Tri { none, a_lower, c_lower };
 /// gemm_rows for a panel of nv <= NV vectors (nv chosen at run time).
 template <class T, bool AT, int NV = kNV>
 inline void gemm_panel(int nv, int mr, int64_t kd, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
-                       int64_t ldc, bool acc, const T* rs) {
+                       int64_t ldc, bool acc, const T* rs, int64_t kt) {
   if constexpr (NV >= 1) {
-    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
-    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc, rs);
+    if (nv == NV) return gemm_rows<T, NV, kMR, AT>(mr, kd, A, lda, B, ldb, C, ldc, acc, rs, kt);
+    return gemm_panel<T, AT, NV - 1>(nv, mr, kd, A, lda, B, ldb, C, ldc, acc, rs, kt);
   }
 }
 
 /// The register-block sweep shared by `gemm` and `gemm_at`: column panels of kNV vectors, row blocks
 /// of kMR; `krange(i0, mr)` gives the k range [k0, k1) a row block needs, and `cols(i0, mr, j0, nv)` how
-/// many of the panel's nv vectors (from column j0 on) it needs (0: none, the block is skipped). AT: A is
+/// many of the panel's nv vectors (from column j0 on) it needs (0: none, the block is skipped); `ktri`
+/// (a_lower only): the block's k from which A is lower-triangular (gemm_block's kt). AT: A is
 /// stored k-major (A^T[r][k] at A[k * lda + r]). `rs`: C's row scales (see gemm_block), or null.
 template <class T, bool AT, class KRange, class Cols>
 void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, bool acc,
-                const T* rs, Trickle<T>* tr, KRange&& krange, Cols&& cols) {
+                const T* rs, Trickle<T>* tr, KRange&& krange, Cols&& cols, bool ktri = false) {
   constexpr int L = Vec<T>::L;
   for (int64_t j0 = 0; j0 < n;) {
     const int nv = int(imin(kNV, (n - j0) / L));
@@ -511,7 +523,7 @@ void gemm_sweep(int64_t m, int64_t n, const T* A, int64_t lda, const T* B, int64
       const auto [k0, k1] = krange(i0, mr);
       const T* a = AT ? A + k0 * lda + i0 : A + i0 * lda + k0;
       gemm_panel<T, AT>(nb, mr, k1 - k0, a, lda, B + k0 * ldb + j0, ldb, C + i0 * ldc + j0, ldc, acc,
-                        rs ? rs + i0 : nullptr);
+                        rs ? rs + i0 : nullptr, ktri ? i0 - k0 : k1 - k0);
     }
     j0 += int64_t(nv) * L;
   }
@@ -528,7 +540,8 @@ void gemm(int64_t m, int64_t n, int64_t kd, const T* A, int64_t lda, const T* B,
       [&](int64_t i0, int mr, int64_t j0, int nv) {  // c_lower: the vectors reaching column i0 + mr - 1
         constexpr int L = Vec<T>::L;
         return tri == Tri::c_lower ? int(imin(nv, (i0 + mr - j0 + L - 1) / L)) : nv;
-      });
+      },
+      tri == Tri::a_lower);
 }
 
 /// C[m x n] (+)= A^T B with A stored k-major (kd x m, row stride lda): as `gemm` without a transpose
@@ -1029,6 +1042,28 @@ bool factorable(const T* Gam, int64_t Kp, int64_t i0, int64_t nb) {
   return ok;
 }
 
+/// Diagonal decay, forward: how many leading rows of the sub-block [i0, i0 + nb) stay within the
+/// factorable range of row i0 (`factorable` row by row; a NaN gate ends the run). Decided row by row so
+/// that a later row's gates never change how an earlier row is computed (outputs stay causal, bitwise).
+template <class T>
+int64_t factor_rows(const T* Gam, int64_t Kp, int64_t i0, int64_t nb) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  constexpr T kFactorRange = 40;
+  const T* g0 = Gam + i0 * Kp;
+  for (int64_t i = i0 + 1; i < i0 + nb; ++i) {
+    V mx{};
+    for (int64_t ch = 0; ch < Kp; ch += L) {
+      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
+      mx = ad > mx ? ad : mx;
+      mx = ad == ad ? mx : vsplat(T(2) * kFactorRange);  // NaN: out of range
+    }
+    for (int l = 0; l < L; ++l)
+      if (!(mx[l] <= kFactorRange)) return i - i0;
+  }
+  return nb;
+}
+
 /// The per-call constants shared by the kernels. `In` is the storage type of the inputs and of `o`
 /// (T, or Bf16Bits / F16Bits with T = float); states are T. The row accessors return `In` pointers
 /// (convert with load_cvt / to_c), the scalar accessors convert to T.
@@ -1329,12 +1364,13 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
       // Sub-blocks of kSub rows, each block I (first row i0) against the rows j < jn through one
       // product: e^{gamma_i - gamma_j} = e^{gamma_i - gamma_i0} e^{gamma_i0 - gamma_j}, both factors <= 1
       // for j < i0 and g <= 0 (no overflow for any g <= 0), so it is [Kl; Ql] (KW ⊙ e^{gamma_i0 - gamma})^T.
-      // jn = i0 takes the earlier rows only; jn = i0 + nb also the block's own pairs when `factorable`,
-      // else those get exact per-pair exponent differences.
+      // jn = i0 + nf: the earlier rows, and the block's own pairs of its first nf rows (those within
+      // `factor_rows`' range); the later rows' own pairs get exact per-pair exponent differences.
       for (int64_t i0 = 0; i0 < c; i0 += kSub) {
         const int64_t nb = imin(kSub, c - i0);
-        const bool fact = factorable(Gam, Kp, i0, nb);
-        const int64_t jn = fact ? i0 + nb : i0;
+        const int64_t nf = factor_rows(Gam, Kp, i0, nb);
+        const bool fact = nf == nb;
+        const int64_t jn = i0 + nf;
         const T* g0 = Gam + i0 * Kp;
         if (jn > 0) {
           for (int64_t i = 0; i < nb; ++i) {
@@ -1355,10 +1391,11 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
           transpose(jn, K, Stg, Kp, KWT, Cp);
           gemm(2 * nb, round_up(jn, L), K, LQ, Kp, KWT, Cp, Pb, Cp, false);  // columns >= jn unused
         }
-        // Rows of the block: the product's columns j < jn (masked to the triangles), zero elsewhere.
+        // Rows of the block: the product's columns j < jn (i0 for the rows past nf; masked to the
+        // triangles), zero elsewhere.
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t row = i0 + i;
-          const V bi = vsplat(Bt[row]), rv = vsplat(T(row)), jnv = vsplat(T(jn));
+          const V bi = vsplat(Bt[row]), rv = vsplat(T(row)), jnv = vsplat(T(i < nf ? jn : i0));
           for (int64_t j = 0; j < Cp; j += L) {
             const V jv = iota + T(j);
             const V pk = j < jn ? vload(Pb + i * Cp + j) : V{}, pq = j < jn ? vload(Pb + (nb + i) * Cp + j) : V{};
@@ -1368,7 +1405,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
           }
         }
         if (fact) continue;
-        for (int64_t i = i0; i < i0 + nb; ++i) {
+        for (int64_t i = i0 + nf; i < i0 + nb; ++i) {
           const T* gi = Gam + i * Kp;
           for (int64_t j = i0; j <= i; ++j) {
             const T* gj = Gam + j * Kp;

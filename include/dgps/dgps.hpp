@@ -11,6 +11,7 @@
 #include "dgps/backend.hpp"
 #include "dgps/cpu/backend.hpp"
 #include "dgps/detail/check.hpp"
+#include "dgps/detail/finite.hpp"
 #include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
 #include "dgps/recurrence.hpp"
@@ -58,6 +59,7 @@ RunInfo forward(const Inputs<T>& in, const Outputs<T>& out, const Options& opt =
   }
 #endif
   const detail::Problem<T> p = detail::check_forward<R>(in, out, opt);
+  detail::check_finite(p, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
   detail::check_supported<R>(info.backend, opt.algorithm);
   // A cache is empty after any forward but the one path that saves (cpu::forward, chunkwise).
@@ -97,6 +99,7 @@ RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& gra
   }
 #endif
   const detail::Problem<T> p = detail::check_backward<R>(in, gin, grads, opt);
+  detail::check_finite(p, opt);
   RunInfo info{detail::select_backend(opt.backend), opt.algorithm, {}};
   detail::check_supported<R>(info.backend, opt.algorithm);
   if (info.backend == Backend::reference) {
@@ -138,6 +141,7 @@ RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, std::type_i
   if (detail::wants_cuda(opt.backend, tokens.q.data)) return detail::cuda_decode<R>(state, tokens, o, opt);
 #endif
   const detail::Problem<T> p = detail::check_decode<R>(state, tokens, o, opt);
+  detail::check_finite(p, opt);
   RunInfo info{detail::select_backend(opt.backend), Algorithm::recurrent, {}};
   detail::check_supported<R>(info.backend, Algorithm::recurrent);
   if (info.backend == Backend::reference) {

@@ -165,6 +165,9 @@ struct Options {
   Algorithm algorithm = Algorithm::automatic;
   int threads = 0;         ///< CPU threads; 0 = all available
   int64_t chunk_size = 64; ///< chunk length of the chunkwise algorithm and of backward checkpoints
+  /// Reject NaN and infinite values in every float input of a host call (q, k, v, gates, states, do,
+  /// dhT, daT) with dgps::Error naming the tensor and the first bad index; off: they propagate causally.
+  bool check_finite = false;
 };
 
 /// What ran: returned by every call (and printed to stderr when DGPS_VERBOSE=1).

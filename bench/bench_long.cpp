@@ -1,0 +1,115 @@
+/// @brief dgps_bench_long: time and peak RSS of one CPU forward or backward (GDN or PGDN) of one long sequence.
+///
+/// dgps_bench_long --model gdn|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] [--threads N] [--reps N]
+/// Prints one line: model, T, pass, best seconds of the reps, peak RSS (MiB) of the process and the
+/// bytes of the call's own inputs and outputs (MiB). Run one pass per process: the peak RSS is the
+/// process's, so the backward's workspace is its peak minus the tensors.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <dgps/dgps.hpp>
+
+namespace {
+
+std::vector<float> filled(int64_t n, float lo, float hi, uint64_t seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  for (auto& x : v) x = u(g);
+  return v;
+}
+
+template <class R>
+int run(int64_t T, int64_t H, int64_t K, bool bwd, int threads, int reps, const char* name) {
+  const int64_t V = K, tok = T * H;
+  auto q = filled(tok * K, -1, 1, 1), k = filled(tok * K, -1, 1, 2), v = filled(tok * V, -1, 1, 3);
+  auto g = filled(tok, -0.3f, -0.01f, 4), beta = filled(tok, 0.1f, 0.9f, 5);
+  auto gp = filled(tok, -0.3f, -0.01f, 6), bp = filled(tok, 0.3f, 1.0f, 7), center = filled(H, -1, 0.5f, 8);
+  std::vector<float> o(static_cast<size_t>(tok * V));
+  const dgps::Shape sh{.batch = 1, .time = T, .heads = H, .v_heads = H, .key_dim = K, .value_dim = V};
+  auto in = dgps::inputs<float>(sh, q.data(), k.data(), v.data());
+  in.decay(g.data()).gain(beta.data());
+  if constexpr (std::is_same_v<R, dgps::PGDN>) in.precond(gp.data(), bp.data(), center.data());
+  dgps::Options opt;
+  opt.backend = dgps::Backend::cpu;
+  opt.threads = threads;
+  double tensors = double(3 * tok * K + 4 * tok + H) * 4;
+  std::vector<float> dq, dk, dv, dg, dbeta, dgp, dbp, dcenter, d_o;
+  if (bwd) {
+    d_o = filled(tok * V, -1, 1, 9);
+    dq.resize(q.size()), dk.resize(k.size()), dv.resize(v.size()), dg.resize(g.size()), dbeta.resize(beta.size());
+    dgp.resize(gp.size()), dbp.resize(bp.size()), dcenter.resize(center.size());
+    tensors += double(4 * tok * K + 4 * tok) * 4;
+  } else {
+    tensors += double(tok * V) * 4;
+  }
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (bwd) {
+      dgps::Grads<float> gr;
+      gr.dq = dgps::view<float>(dq.data(), {1, T, H, K});
+      gr.dk = dgps::view<float>(dk.data(), {1, T, H, K});
+      gr.dv = dgps::view<float>(dv.data(), {1, T, H, V});
+      gr.dg = dgps::view<float>(dg.data(), {1, T, H});
+      gr.dbeta = dgps::view<float>(dbeta.data(), {1, T, H});
+      if constexpr (std::is_same_v<R, dgps::PGDN>) {
+        gr.dg_p = dgps::view<float>(dgp.data(), {1, T, H});
+        gr.dbeta_p = dgps::view<float>(dbp.data(), {1, T, H});
+        gr.dcenter = dgps::view<float>(dcenter.data(), {H});
+      }
+      dgps::backward<R>(in, dgps::grads_in<float>(d_o.data()), gr, opt);
+    } else {
+      dgps::forward<R>(in, dgps::outputs<float>(o.data()), opt);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = s < best ? s : best;
+  }
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  std::printf("%s T=%lld H=%lld K=%lld %s %.4f s peak_rss %.1f MiB tensors %.1f MiB\n", name, static_cast<long long>(T),
+              static_cast<long long>(H), static_cast<long long>(K), bwd ? "bwd" : "fwd", best,
+              double(ru.ru_maxrss) / 1024, tensors / (1 << 20));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model = "gdn", pass = "fwd";
+  int64_t T = 4096, H = 1, K = 128;
+  int threads = 1, reps = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr,
+                   "usage: dgps_bench_long --model gdn|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] "
+                   "[--threads N] [--reps N]\n");
+      return 2;
+    }
+    const char* v = argv[++i];
+    if (a == "--model")
+      model = v;
+    else if (a == "--time")
+      T = std::atoll(v);
+    else if (a == "--heads")
+      H = std::atoll(v);
+    else if (a == "--dim")
+      K = std::atoll(v);
+    else if (a == "--pass")
+      pass = v;
+    else if (a == "--threads")
+      threads = std::atoi(v);
+    else if (a == "--reps")
+      reps = std::atoi(v);
+  }
+  const bool bwd = pass == "bwd";
+  if (model == "pgdn") return run<dgps::PGDN>(T, H, K, bwd, threads, reps, "pgdn");
+  return run<dgps::GDN>(T, H, K, bwd, threads, reps, "gdn");
+}
