@@ -6,6 +6,8 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -78,13 +80,25 @@ void print_command_help(const Command& c) {
   std::printf("\noptions:\n%s", dgps_tool::options_help(options).c_str());
 }
 
-/// The message without the library's "dgps: " prefix, on one line.
+/// The message without the library's "dgps: " prefix, on one line: line breaks become spaces, other control bytes
+/// (from file names or file contents) are written as \xNN.
 std::string one_line(const char* what) {
-  std::string m = what;
+  std::string m = what, out;
   if (m.rfind("dgps: ", 0) == 0) m.erase(0, 6);
-  for (char& c : m)
-    if (c == '\n' || c == '\r') c = ' ';
-  return m;
+  static constexpr char hex[] = "0123456789abcdef";
+  for (char ch : m) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '\n' || c == '\r') {
+      out.push_back(' ');
+    } else if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out.push_back(hex[c >> 4]);
+      out.push_back(hex[c & 15]);
+    } else {
+      out.push_back(ch);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -107,7 +121,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "dgps: error: unknown command '%s'\nusage: dgps <command> [options] (commands: info run grad "
                  "bench; see dgps --help)\n",
-                 name.c_str());
+                 one_line(name.c_str()).c_str());
     return 2;
   }
   try {
@@ -126,6 +140,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dgps: error: %s\n", one_line(e.what()).c_str());
   } catch (const std::filesystem::filesystem_error& e) {
     std::fprintf(stderr, "dgps: error: %s\n", one_line(e.what()).c_str());
+  } catch (const std::bad_alloc&) {  // a resource limit, not a bug: sizes the machine cannot hold
+    std::fprintf(stderr, "dgps: error: out of memory for the requested sizes\n");
+  } catch (const std::length_error& e) {
+    std::fprintf(stderr, "dgps: error: requested sizes too large (%s)\n", one_line(e.what()).c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dgps: internal error: %s\n", one_line(e.what()).c_str());
     return 1;

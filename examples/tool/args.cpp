@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <cstdlib>
 
 namespace dgps_tool {
 
@@ -53,22 +52,25 @@ std::string Args::required(std::string_view name) const {
 double Args::number(std::string_view name, double fallback) const {
   if (!has(name)) return fallback;
   const std::string s = text(name);
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v))
+  double v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || ptr != s.data() + s.size() || !std::isfinite(v))
     throw UsageError("option '--" + std::string(name) + "': '" + s + "' is not a finite number");
   return v;
 }
 
-int64_t Args::integer(std::string_view name, int64_t fallback, int64_t min) const {
+int64_t Args::integer(std::string_view name, int64_t fallback, int64_t min, int64_t max) const {
   if (!has(name)) return fallback;
   const std::string s = text(name);
   int64_t v = 0;
   const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range)
+    throw UsageError("option '--" + std::string(name) + "': '" + s + "' is out of range");
   if (ec != std::errc() || ptr != s.data() + s.size())
     throw UsageError("option '--" + std::string(name) + "': '" + s + "' is not an integer");
-  if (v < min)
-    throw UsageError("option '--" + std::string(name) + "' must be >= " + std::to_string(min) + ", got " + s);
+  if (v < min || v > max)
+    throw UsageError("option '--" + std::string(name) + "' must be in [" + std::to_string(min) + ", " +
+                     std::to_string(max) + "], got " + s);
   return v;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -39,8 +40,10 @@ class Args {
   std::string required(std::string_view name) const;
   /// The option's value as a finite number, or `fallback`; throws UsageError when it is not a number.
   double number(std::string_view name, double fallback) const;
-  /// The option's value as an integer >= `min`, or `fallback`; throws UsageError otherwise.
-  int64_t integer(std::string_view name, int64_t fallback, int64_t min) const;
+  /// The option's value as an integer in [min, max], or `fallback`; throws UsageError for trailing text, a value
+  /// out of range or one int64 cannot hold.
+  int64_t integer(std::string_view name, int64_t fallback, int64_t min,
+                  int64_t max = std::numeric_limits<int64_t>::max()) const;
 
  private:
   std::map<std::string, std::string, std::less<>> values_;

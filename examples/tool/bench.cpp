@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <dgps/detail/check.hpp>
+
 #include <dgps/dynamic.hpp>
 
 #include "commands.hpp"
@@ -190,6 +192,8 @@ int cmd_bench(const Args& args) {
   s.key_dim = dim("key-dim");
   s.value_dim = dim("value-dim");
   s.v_heads = args.integer("v-heads", s.heads, 1);
+  // The library's size rules, before any buffer is sized from products of these.
+  dgps::detail::check_sizes(s.batch, s.time, s.heads, s.v_heads, s.key_dim, s.value_dim);
   const std::string mode_name = args.text("mode", "forward");
   Mode mode = Mode::forward;
   if (mode_name == "backward")

@@ -1,6 +1,8 @@
 /// @brief Model, backend and math options of the dgps tool (see common.hpp).
 #include "common.hpp"
 
+#include <limits>
+
 #include <dgps/backend.hpp>
 #include <dgps/error.hpp>
 
@@ -84,7 +86,7 @@ dgps::Options options_from(const Args& args) {
   dgps::Options o;
   o.backend = dgps::backend_from_string(args.text("backend", "automatic"));
   o.algorithm = dgps::algorithm_from_string(args.text("algorithm", "automatic"));
-  o.threads = static_cast<int>(args.integer("threads", 0, 0));
+  o.threads = static_cast<int>(args.integer("threads", 0, 0, std::numeric_limits<int>::max()));
   o.l2norm_qk = !args.has("no-l2norm");
   if (args.has("scale")) o.scale = args.number("scale", 0);
   o.x = args.number("x", o.x);

@@ -1,4 +1,6 @@
 /// @brief `dgps run` and `dgps grad`: forward or backward on a directory of .npy files, through dgps::dynamic.
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -36,12 +38,66 @@ struct Result {
   std::vector<T> data;
 };
 
-/// Buffer of `numel` elements (at least one, so that an empty tensor still has a non-null pointer).
+/// Buffer of `numel` elements (at least one, so that an empty tensor still has a non-null pointer); dgps::Error
+/// when the element count overflows.
 template <class T>
-std::vector<T> buffer(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return std::vector<T>(static_cast<size_t>(n > 0 ? n : 1), T(0));
+std::vector<T> buffer(const std::string& name, const std::vector<int64_t>& shape) {
+  const int64_t bytes = dgps::npy::byte_size(dgps::npy::DType::f64, shape, "output " + name);
+  return std::vector<T>(static_cast<size_t>(bytes > 0 ? bytes / 8 : 1), T(0));
+}
+
+/// Writes every result into `out_dir` all or nothing: each to a temporary file there, then renamed over its target
+/// once all are written; on any failure the directory is left as it was (removed again if this call created it).
+template <class T>
+std::string write_all(const std::vector<Result<T>>& results, dgps::npy::DType dtype, const std::string& out_dir) {
+  const fs::path dir(out_dir);
+  bool created = false;
+  if (!fs::exists(dir))
+    created = fs::create_directories(dir);
+  else if (!fs::is_directory(dir))
+    throw InputError(out_dir + ": exists and is not a directory");
+  const std::string tag = ".tmp" + std::to_string(::getpid());
+  std::vector<fs::path> final_paths, temps, backups;
+  size_t renamed = 0;
+  try {
+    for (const auto& r : results) {
+      final_paths.push_back(dir / (r.name + ".npy"));
+      const auto st = fs::symlink_status(final_paths.back());
+      if (fs::exists(st) && !fs::is_regular_file(st) && !fs::is_symlink(st))
+        throw InputError(final_paths.back().string() + ": exists and is not a regular file");
+    }
+    for (const auto& r : results) {
+      temps.push_back(dir / ("." + r.name + ".npy" + tag));
+      dgps::npy::write(temps.back().string(), dgps::npy::Array::from<T>(dtype, r.shape, r.data.data()));
+    }
+    for (const auto& f : final_paths) {  // a link to each file replaced, to restore it if a later rename fails
+      backups.emplace_back();
+      if (fs::exists(fs::symlink_status(f))) {
+        backups.back() = dir / ("." + f.filename().string() + ".bak" + tag);
+        std::error_code link_error;
+        fs::create_hard_link(f, backups.back(), link_error);
+        if (link_error) fs::copy_file(f, backups.back());
+      }
+    }
+    for (; renamed < final_paths.size(); ++renamed) fs::rename(temps[renamed], final_paths[renamed]);
+  } catch (...) {
+    std::error_code ec;
+    for (size_t i = 0; i < final_paths.size(); ++i) {
+      if (i < backups.size() && !backups[i].empty())
+        fs::rename(backups[i], final_paths[i], ec);
+      else if (i < renamed)
+        fs::remove(final_paths[i], ec);
+    }
+    for (const auto& t : temps) fs::remove(t, ec);
+    if (created) fs::remove_all(dir, ec);
+    throw;
+  }
+  std::error_code ec;
+  for (const auto& b : backups)
+    if (!b.empty()) fs::remove(b, ec);
+  std::string written;
+  for (const auto& r : results) written += " " + r.name + ".npy";
+  return written;
 }
 
 /// Runs forward (or backward) in element type T; returns what ran and every result tensor.
@@ -65,7 +121,7 @@ std::pair<dgps::RunInfo, std::vector<Result<T>>> compute(const InputDir& in, con
 
   std::vector<Result<T>> results;
   auto add = [&](const std::string& name, std::vector<int64_t> shape) -> dgps::TensorView<T> {
-    results.push_back({name, shape, buffer<T>(shape)});
+    results.push_back({name, shape, buffer<T>(name, shape)});
     return view_of(results.back().data.data(), results.back().shape);
   };
   const bool has_precond = spec.precond != dgps::precond::Kind::identity;
@@ -95,13 +151,7 @@ template <class T>
 int run_typed(const InputDir& in, const dgps::ModelSpec& spec, const dgps::Options& opt, const std::string& out_dir,
               bool backward) {
   auto [info, results] = compute<T>(in, spec, opt, backward);
-  fs::create_directories(out_dir);
-  std::string written;
-  for (const auto& r : results) {
-    const std::string path = (fs::path(out_dir) / (r.name + ".npy")).string();
-    dgps::npy::write(path, dgps::npy::Array::from<T>(in.dtype, r.shape, r.data.data()));
-    written += " " + r.name + ".npy";
-  }
+  const std::string written = write_all(results, in.dtype, out_dir);
   std::printf("%s %s with %s: wrote%s to %s\n", backward ? "grad" : "run", model_label(spec).c_str(), info.impl.c_str(),
               written.c_str(), out_dir.c_str());
   return 0;

@@ -646,3 +646,61 @@ TEST_CASE("validation: decode") {
                  },
                  {"backend 'cuda'"});
 }
+
+TEST_CASE("validation: sizes whose products overflow int64 are refused before any allocation") {
+  Fix f;
+  constexpr int64_t big = int64_t(1) << 61;
+  auto with_shape = [&](auto mutate) {
+    return [&f, mutate] {
+      auto in = f.in();
+      in.h0 = {};
+      mutate(in.shape);
+      dgps::forward<dgps::PGDN>(in, dgps::outputs<float>(f.o.data()), ref_opt());
+    };
+  };
+  // B*T*H*K = 2^64 elements: the element count itself overflows.
+  expect_error(f, "T = 2^61", with_shape([](dgps::Shape& s) { s.time = big; }),
+               {"tensor", "too large", "overflows int64"});
+  // No tokens, yet the state [N, HV, K, V] of 2^80 elements would be formed by the kernels.
+  expect_error(f, "K = V = 2^40, T = 0", with_shape([](dgps::Shape& s) {
+                 s.time = 0;
+                 s.key_dim = s.value_dim = int64_t(1) << 40;
+               }),
+               {"tensor 'h0'", "too large"});
+  // Element count fits (2^61), bytes (x 4) do not.
+  expect_error(f, "bytes overflow", with_shape([](dgps::Shape& s) {
+                 s.batch = 1, s.time = int64_t(1) << 59, s.heads = 1, s.v_heads = 1, s.key_dim = 4, s.value_dim = 1;
+               }),
+               {"too large", "bytes"});
+  // Strides whose largest offset overflows, on an otherwise valid shape.
+  expect_error(f, "q stride overflow",
+               [&] {
+                 auto in = f.in();
+                 in.q = View(f.junk.data(), {2, 5, 2, 3}, {std::numeric_limits<int64_t>::max() / 2, 6, 3, 1});
+                 dgps::forward<dgps::PGDN>(in, f.out(), ref_opt());
+               },
+               {"tensor 'q'", "strides", "int64"});
+  expect_error(f, "o byte offset overflow",
+               [&] {
+                 dgps::forward<dgps::PGDN>(
+                     f.in(), dgps::outputs<float>(MView(f.o.data(), {2, 5, 4, 2}, {int64_t(1) << 61, 8, 2, 1})),
+                     ref_opt());
+               },
+               {"tensor 'o'", "bytes beyond int64"});
+  // A decode pool whose size overflows is refused before the slot table is sized from it.
+  std::vector<int64_t> slots{0, 1};
+  expect_error(f, "decode pool overflow",
+               [&] {
+                 const dgps::Shape s{.batch = 2, .time = 1, .heads = 2, .v_heads = 4, .key_dim = 3, .value_dim = 2};
+                 auto tokens = dgps::inputs<float>(s, f.q.data(), f.k.data(), f.v.data())
+                                   .decay(f.g.data())
+                                   .gain(f.beta.data())
+                                   .precond(f.g_p.data(), f.beta_p.data(), f.center.data());
+                 dgps::DecodeState<float> st;
+                 st.h = MView(f.hT.data(), {std::numeric_limits<int64_t>::max() / 4, 4, 3, 2});
+                 st.a = MView(f.aT.data(), {2, 2, 3});
+                 st.slots = dgps::TensorView<const int64_t>(slots.data(), {2});
+                 dgps::decode<dgps::PGDN>(st, tokens, dgps::Out<float>(f.o.data()), ref_opt());
+               },
+               {"tensor 'h'", "too large"});
+}

@@ -1,6 +1,7 @@
 /// @brief The `dgps` tool end to end: run/grad round trips on conformance cases, malformed inputs, info, bench.
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <unistd.h>
@@ -52,10 +53,11 @@ struct Run {
   std::string out, err;
 };
 
-/// Runs `dgps <args>` with stdout and stderr captured in `tmp`.
+/// Runs `dgps <args>` with stdout and stderr captured in `tmp`, under a 60 s `timeout` (status 124: it hung).
 Run tool(const std::string& args, const TempDir& tmp) {
   const std::string out = tmp / "stdout.txt", err = tmp / "stderr.txt";
-  const std::string cmd = std::string("'") + DGPS_TOOL + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const std::string cmd =
+      std::string("timeout 60 '") + DGPS_TOOL + "' " + args + " >'" + out + "' 2>'" + err + "' </dev/null";
   const int rc = std::system(cmd.c_str());
   Run r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -360,4 +362,165 @@ TEST_CASE("cli: bench") {
   REQUIRE(p != std::string::npos);
   CHECK(std::stod(json.out.substr(p + 16)) > 0);
   CHECK(json.out.find("\"impl\": \"cpu") != std::string::npos);
+}
+
+namespace {
+
+/// Writes a .npy file whose header dictionary is `dict` verbatim (padded as numpy pads), then `payload` zero bytes.
+void write_header(const std::string& path, std::string dict, size_t payload_bytes) {
+  dict.append((64 - (10 + dict.size() + 1) % 64) % 64, ' ');
+  dict.push_back('\n');
+  std::ofstream f(path, std::ios::binary);
+  const char pre[10] = {'\x93',
+                        'N',
+                        'U',
+                        'M',
+                        'P',
+                        'Y',
+                        1,
+                        0,
+                        static_cast<char>(dict.size() & 0xff),
+                        static_cast<char>(dict.size() >> 8)};
+  f.write(pre, 10);
+  f << dict << std::string(payload_bytes, '\0');
+}
+
+/// No byte of `s` is a control character other than the final newline.
+bool sanitised(const std::string& s) {
+  for (size_t i = 0; i + 1 < s.size(); ++i)
+    if (static_cast<unsigned char>(s[i]) < 0x20 || s[i] == 0x7f) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("cli: hostile .npy files exit 2 with one sanitised line and write nothing") {
+  const std::string f8 = "{'descr': '<f8', 'fortran_order': False, 'shape': ";
+  SUBCASE("shape whose element count overflows int64, no data (la, gla)") {
+    // Every tensor present declares the same overflowing shape, so that only the size check can refuse them.
+    for (const char* name : {"la_b2", "gla_T63"})
+      expect_rejected(name, "run", "q.npy", [&](const std::string& d) {
+        fs::remove(d + "/h0.npy");
+        for (const char* t : {"q", "k", "v", "g"})
+          if (fs::exists(d + "/" + t + ".npy"))
+            write_header(d + "/" + t + ".npy", f8 + "(1, 2305843009213693952, 1, 8), }", 0);
+      });
+  }
+  SUBCASE("shape whose byte count overflows int64, no data") {
+    expect_rejected("gdn_b2", "run", "g.npy", [&](const std::string& d) {
+      write_header(d + "/g.npy", f8 + "(2, 1152921504606846976, 8), }", 0);
+    });
+  }
+  SUBCASE("empty tensors with huge sizes (T = 0, K = V = 2^40)") {
+    expect_rejected(
+        "la_b2", "run", "",
+        [&](const std::string& d) {
+          for (const char* t : {"q", "k", "v"})
+            write_header(d + "/" + t + ".npy", f8 + "(2, 0, 2, 1099511627776), }", 0);
+        },
+        "--model la");
+  }
+  SUBCASE("shape field too large for int64") {
+    expect_rejected("la_b2", "run", "q.npy",
+                    [&](const std::string& d) { write_header(d + "/q.npy", f8 + "(99999999999999999999, 1), }", 0); });
+  }
+  SUBCASE("headers numpy rejects") {
+    const std::vector<std::string> bad = {
+        f8 + "(2 64 2 16), }",                                                   // no commas
+        f8 + "(2), }",                                                           // an int, not a tuple
+        f8 + "(2, 64, 2, 16), 'extra': 1, }",                                    // extra key
+        "{'descr': '<f8', 'shape': (2, 64, 2, 16), }",                           // missing key
+        f8 + "(2, 64, 2, 16), 'shape': (2, 64, 2, 16), }",                       // duplicated key
+        "{'descr': '<f8x', 'fortran_order': False, 'shape': (2, 64, 2, 16), }",  // bad descr
+        f8 + "(2, -64, 2, 16), }",                                               // negative field
+        f8 + "(2, 64, 2, 16), } trailing",                                       // text after the dictionary
+    };
+    for (const auto& h : bad)
+      expect_rejected("la_b2", "run", "q.npy", [&](const std::string& d) { write_header(d + "/q.npy", h, 16384); });
+  }
+  SUBCASE("control bytes in a header are escaped") {
+    TempDir tmp;
+    const std::string in = tmp / "in";
+    fs::create_directories(in);
+    copy_case("la_b2", in, false);
+    write_header(in + "/k.npy", "{'descr': '<f8\x1b[2J\x07', 'fortran_order': False, 'shape': (2, 64, 2, 16), }",
+                 16384);
+    const Run r = tool("run --model la --in " + quote(in) + " --out " + quote(tmp / "out"), tmp);
+    INFO(r.err);
+    CHECK(r.status == 2);
+    CHECK(sanitised(r.err));
+    CHECK(r.err.find("\\x1b") != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+  SUBCASE("a directory named q.npy") {
+    expect_rejected("la_b2", "run", "q.npy", [](const std::string& d) {
+      fs::remove(d + "/q.npy");
+      fs::create_directory(d + "/q.npy");
+    });
+  }
+  SUBCASE("a FIFO named k.npy (no hang)") {
+    expect_rejected("la_b2", "run", "k.npy", [](const std::string& d) {
+      fs::remove(d + "/k.npy");
+      REQUIRE(::mkfifo((d + "/k.npy").c_str(), 0600) == 0);
+    });
+  }
+}
+
+TEST_CASE("cli: numeric options out of range or with trailing text are usage errors") {
+  TempDir tmp;
+  for (const char* bad :
+       {"--threads 4294967297", "--threads 2147483648", "--threads -1", "--threads 4x",
+        "--threads 99999999999999999999999", "--threads ''", "--x 1.5junk", "--x ' 1.5'", "--scale nan", "--eps inf"}) {
+    const Run r = tool(std::string("run --model la --in a --out b ") + bad, tmp);
+    INFO(bad << ": " << r.err);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("usage: dgps run") != std::string::npos);
+  }
+  const std::string bench = "bench --model gdn --heads 1 --key-dim 4 --value-dim 4 --repeat 1 ";
+  for (const std::string bad : {"--time 4 --batch 99999999999999999999", "--time 4 --seed -3",
+                                "--time 4611686018427387904", "--time 1 --key-dim 4294967296 --value-dim 4294967296"}) {
+    const Run r = tool(bench + bad, tmp);
+    INFO(bad << ": " << r.err);
+    CHECK(r.status == 2);
+  }
+}
+
+TEST_CASE("cli: outputs are written all or nothing") {
+  TempDir tmp;
+  const std::string in = tmp / "in", out = tmp / "out";
+  fs::create_directories(in);
+  copy_case("la_b2", in, false);
+  const std::string run = "run --model la --in " + quote(in) + " --out " + quote(out);
+  auto listing = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(out)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  SUBCASE("hT.npy is a directory: nothing is written, old files stay") {
+    fs::create_directories(out + "/hT.npy");
+    std::ofstream(out + "/o.npy") << "old";
+    const Run r = tool(run, tmp);
+    INFO(r.err);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("hT.npy") != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(listing() == std::vector<std::string>{"hT.npy", "o.npy"});
+    CHECK(slurp(out + "/o.npy") == "old");
+  }
+  SUBCASE("--out is a regular file") {
+    std::ofstream(out) << "x";
+    const Run r = tool(run, tmp);
+    CHECK(r.status == 2);
+    CHECK(slurp(out) == "x");
+  }
+  SUBCASE("success replaces old outputs and leaves no temporary files") {
+    fs::create_directories(out);
+    std::ofstream(out + "/o.npy") << "old";
+    const Run r = tool(run, tmp);
+    INFO(r.err);
+    REQUIRE(r.status == 0);
+    CHECK(listing() == std::vector<std::string>{"hT.npy", "o.npy"});
+    CHECK(dgps::npy::read(out + "/o.npy").shape == std::vector<int64_t>{2, 64, 2, 16});
+  }
 }

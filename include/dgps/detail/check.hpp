@@ -24,6 +24,30 @@ inline std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+/// Throws dgps::Error naming `name` unless a tensor of sizes `dims` has an element count and a byte count
+/// (`elem` bytes each) that int64 can hold. A zero size counts as one, so that the other sizes' product, which the
+/// kernels still form (state sizes, offsets), is bounded too.
+inline void check_extent(const std::string& name, const std::vector<int64_t>& dims, int64_t elem) {
+  int64_t n = elem;
+  for (int64_t d : dims)
+    if (d < 0 || __builtin_mul_overflow(n, d > 0 ? d : 1, &n))
+      throw Error("tensor '" + name + "' of shape " + shape_str(dims) + " is too large: its size in bytes (" +
+                  std::to_string(elem) + " per element) overflows int64");
+}
+
+/// Throws dgps::Error naming `name` unless the largest element offset of a strided view, in bytes, fits int64.
+inline void check_offsets(const char* name, const int64_t* size, const int64_t* stride, int rank, int64_t elem) {
+  int64_t end = 0;
+  for (int d = 0; d < rank; ++d) {
+    if (size[d] == 0) return;  // no element is addressed
+    int64_t span = 0;
+    if (__builtin_mul_overflow(stride[d], size[d] - 1, &span) || __builtin_add_overflow(end, span, &end))
+      throw Error(std::string("tensor '") + name + "': its strides address elements beyond int64 offsets");
+  }
+  if (__builtin_mul_overflow(end, elem, &end))
+    throw Error(std::string("tensor '") + name + "': its strides address bytes beyond int64 offsets");
+}
+
 /// Checks one tensor against its expected shape and returns it with the rank resolved.
 /// `required`: absence is an error; `why` explains the requirement in the message.
 template <class T>
@@ -35,6 +59,7 @@ TensorView<T> resolve(const char* name, TensorView<T> t, const std::vector<int64
     return {};
   }
   const int r = static_cast<int>(expect.size());
+  check_extent(name, expect, static_cast<int64_t>(sizeof(T)));
   if (t.rank == kImplicitRank) {  // a bare pointer: contiguous, in the SPEC shape
     t.set_contiguous(expect.data(), r);
     return t;
@@ -49,6 +74,7 @@ TensorView<T> resolve(const char* name, TensorView<T> t, const std::vector<int64
                 std::to_string(t.stride[r - 1]) + ", expected 1)");
   for (int d = 0; d < r; ++d)
     if (t.stride[d] < 0) throw Error(std::string("tensor '") + name + "' has a negative stride");
+  check_offsets(name, t.size.data(), t.stride.data(), r, static_cast<int64_t>(sizeof(T)));
   return t;
 }
 
@@ -56,6 +82,12 @@ TensorView<T> resolve(const char* name, TensorView<T> t, const std::vector<int64
 template <class T>
 void reject_unused(const char* name, const TensorView<T>& t, const std::string& why) {
   if (t.data || t.rank > 0) throw Error(std::string("tensor '") + name + "' was given but " + why);
+}
+
+/// The states of N sequences (h [N, HV, K, V], the exact preconditioner's [N, H, K, K]) fit int64 in bytes.
+inline void check_state_extents(int64_t N, int64_t H, int64_t HV, int64_t K, int64_t V) {
+  check_extent("h0", {N, HV, K, V}, 8);
+  check_extent("a0", {N, H, K, K}, 8);
 }
 
 /// The shape rules on sizes alone (SPEC §1): every size >= 1 but `T` >= 0, and `HV` a multiple of `H`. check_inputs
@@ -72,6 +104,10 @@ inline void check_sizes(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, 
   if (T < 0) throw Error("shape: time must be >= 0, got " + std::to_string(T));
   if (HV % H != 0)
     throw Error("shape: v_heads (" + std::to_string(HV) + ") must be a multiple of heads (" + std::to_string(H) + ")");
+  check_state_extents(B, H, HV, K, V);
+  check_extent("q", {B, T, H, K}, 8);
+  check_extent("v", {B, T, HV, V}, 8);
+  check_extent("g", {B, T, HV, K}, 8);
 }
 
 /// The rules of the options every backend reads (SPEC §1): `scale`, when given, finite; `x` finite and > 0; `eps`
@@ -159,13 +195,14 @@ Problem<T> check_inputs(const Inputs<T>& in, const Options& opt) {
     if (cu.data[0] != 0) throw Error("cu_seqlens must start at 0, got " + std::to_string(cu.data[0]));
     for (int64_t i = 1; i < n1; ++i)
       if (cu.data[i] < cu.data[i - 1])
-        throw Error("cu_seqlens must not decrease: cu_seqlens[" + std::to_string(i) + "] = " +
-                    std::to_string(cu.data[i]) + " < cu_seqlens[" + std::to_string(i - 1) +
+        throw Error("cu_seqlens must not decrease: cu_seqlens[" + std::to_string(i) +
+                    "] = " + std::to_string(cu.data[i]) + " < cu_seqlens[" + std::to_string(i - 1) +
                     "] = " + std::to_string(cu.data[i - 1]));
     if (cu.data[n1 - 1] != p.T_)
       throw Error("cu_seqlens must end at T = " + std::to_string(p.T_) + ", got " + std::to_string(cu.data[n1 - 1]));
     p.cu_seqlens = cu.data;
     p.N = n1 - 1;
+    check_state_extents(p.N, p.H, p.HV, p.K, p.V);
   }
 
   const int64_t B = p.B, Tn = p.T_, H = p.H, K = p.K, V = p.V, N = p.N;
@@ -238,8 +275,8 @@ TrainingKey training_key(const Problem<T>& p) {
 template <class T>
 TrainingLayout training_layout(const Problem<T>& p) {
   const bool diag_pre = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
-  return TrainingLayout::of(p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre,
-                            sizeof(state_t<T>), p.N, p.T_, p.cu_seqlens);
+  return TrainingLayout::of(p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre, sizeof(state_t<T>), p.N,
+                            p.T_, p.cu_seqlens);
 }
 
 /// Bytes of the training cache of a validated problem whose layout is `l`.
@@ -306,12 +343,17 @@ Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T
   Problem<T> p = check_inputs<R>(tokens, opt);
   p.o = resolve("o", o.view, {p.B, p.T_, p.HV, p.V}, true, "as the output");
   int64_t pool = p.N;
-  if (st.slots.data || st.slots.rank > 0) {
+  const bool has_slots = st.slots.data || st.slots.rank > 0;
+  if (has_slots) {
     if (!st.slots.data) throw Error("tensor 'slots' has null data");
     if (st.slots.rank != 1 || st.slots.size[0] != p.N)
       throw Error("tensor 'slots' has shape " + st.slots.shape_string() + ", expected [" + std::to_string(p.N) + "]");
     if (!st.h.data || st.h.rank < 1) throw Error("tensor 'h' (decode state) is required but was not given");
     pool = st.h.size[0];
+  }
+  // The pool is bounded by the state's validation before the slot table is sized from it.
+  auto h = resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
+  if (has_slots) {
     std::vector<char> used(static_cast<size_t>(pool), 0);
     for (int64_t n = 0; n < p.N; ++n) {
       const int64_t sidx = st.slots.data[n * st.slots.stride[0]];
@@ -324,7 +366,6 @@ Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T
     if (st.slots.stride[0] != 1) throw Error("tensor 'slots' must be contiguous");
     p.slots = st.slots.data;
   }
-  auto h = resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
   p.h0 = h;
   p.hT = h;
   auto a = resolve_precond_state<R, T>("a", st.a, pool, p.H, p.K, true);
