@@ -27,11 +27,16 @@ def _unsupported(fn, **given):
         raise NotImplementedError(f"{RCP}.{fn}: argument(s) {', '.join(bad)} are not supported by dgps")
 
 
+def _f32(t):
+    """`t` in float32 when it is a 16-bit type (FLA computes gates in float32), else unchanged."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def _beta(fn, beta, use_sigmoid, allow_neg):
     if allow_neg and not use_sigmoid:
         raise ValueError(f"{RCP}.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if use_sigmoid:
-        beta = beta.float().sigmoid().to(beta.dtype)
+        beta = _f32(beta).sigmoid().to(beta.dtype)
         if allow_neg:
             beta = beta * 2
     return beta
@@ -54,17 +59,17 @@ def _chunk_size(fn, kwargs, allowed):
 
 def _gdn_gate(g, A_log, dt_bias):
     """FLA's gated-DeltaNet gate: -exp(A_log) * softplus(g + dt_bias), per value head, in float32."""
-    x = g.float() if dt_bias is None else g.float() + dt_bias.float()
-    return -A_log.float().exp() * F.softplus(x)
+    x = _f32(g) if dt_bias is None else _f32(g) + _f32(dt_bias)
+    return -_f32(A_log).exp() * F.softplus(x)
 
 
 def _kda_gate(g, A_log, dt_bias, lower_bound):
     """FLA's KDA gate per key channel: -exp(A_log) softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) (g + dt_bias))."""
     HV, K = g.shape[-2], g.shape[-1]
-    x = g.float()
+    x = _f32(g)
     if dt_bias is not None:
-        x = x + dt_bias.float().view(HV, K)
-    a = None if A_log is None else A_log.float().exp().view(HV, 1)
+        x = x + _f32(dt_bias).view(HV, K)
+    a = None if A_log is None else _f32(A_log).exp().view(HV, 1)
     if lower_bound is None:
         return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(x if a is None else a * x)

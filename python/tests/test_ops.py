@@ -173,7 +173,8 @@ def test_gradcheck(name):
         o, ht, at = _run_fla(name, dict(zip(keys, ts)), l2=MODELS[name][4])
         return (o, ht) if at is None else (o, ht, at)
 
-    assert torch.autograd.gradcheck(f, [d[k_] for k_ in keys], eps=1e-6, atol=1e-5, rtol=1e-4)
+    assert torch.autograd.gradcheck(f, [d[k_] for k_ in keys], eps=1e-6, atol=1e-5, rtol=1e-4,
+                                    nondet_tol=1e-12)  # cached vs recomputed backward
 
 
 def test_strided_inputs_without_copies():
@@ -254,10 +255,11 @@ def test_recurrence_reference_backend(model):
     for x, y in zip(a, b):
         if y is not None:
             close(x, y, 1e-10, model)
-    ga = torch.autograd.grad(a[0].sum() + a[1].sum(), list(d.values()))
-    gb = torch.autograd.grad(b[0].sum() + b[1].sum(), list(d.values()))
+    ga = torch.autograd.grad(a[0].sum() + a[1].sum(), list(d.values()), allow_unused=True)
+    gb = torch.autograd.grad(b[0].sum() + b[1].sum(), list(d.values()), allow_unused=True)
     for k_, x, y in zip(d, ga, gb):
-        close(x, y, 1e-9, "d" + k_)
+        if y is not None:
+            close(x, y, 1e-9, "d" + k_)
 
 
 def test_recurrence_axes():
