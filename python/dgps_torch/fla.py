@@ -1,0 +1,316 @@
+"""FLA's op functions (flash-linear-attention, fla.ops.*) on dgps: same names, argument order, defaults and returns.
+
+Arguments dgps does not offer raise NotImplementedError naming them; unknown keyword arguments raise TypeError.
+"""
+import torch
+import torch.nn.functional as F
+
+from .core import recurrence
+
+RCP = "dgps_torch"
+
+
+def _reject(fn, kwargs, accepted=()):
+    """Raises for `head_first` and any keyword argument that is not in `accepted` (FLA's kwargs-only options)."""
+    if kwargs.get("head_first"):
+        raise NotImplementedError(f"{RCP}.{fn}: head_first=True is not supported (FLA removed it too): "
+                                  "pass [B, T, H, D] tensors")
+    bad = [k for k in kwargs if k not in accepted and k != "head_first"]
+    if bad:
+        raise TypeError(f"{RCP}.{fn}: unexpected keyword argument(s) {', '.join(bad)}")
+
+
+def _unsupported(fn, **given):
+    """Raises NotImplementedError naming every FLA argument given a value that dgps does not offer."""
+    bad = [k for k, v in given.items() if v is not None and v is not False]
+    if bad:
+        raise NotImplementedError(f"{RCP}.{fn}: argument(s) {', '.join(bad)} are not supported by dgps")
+
+
+def _f32(t):
+    """`t` in float32 when it is a 16-bit type (FLA computes gates in float32), else unchanged."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _beta(fn, beta, use_sigmoid, allow_neg):
+    if allow_neg and not use_sigmoid:
+        raise ValueError(f"{RCP}.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if use_sigmoid:
+        beta = _f32(beta).sigmoid().to(beta.dtype)
+        if allow_neg:
+            beta = beta * 2
+    return beta
+
+
+def _state_in(h0, v_first):
+    return h0.transpose(-1, -2) if h0 is not None and v_first else h0
+
+
+def _state_out(ht, v_first):
+    return ht.transpose(-1, -2) if ht is not None and v_first else ht
+
+
+def _chunk_size(fn, kwargs, allowed):
+    c = kwargs.get("chunk_size", 64)
+    if c not in allowed:
+        raise ValueError(f"{RCP}.{fn}: chunk_size must be one of {allowed}, got {c}")
+    return 64  # dgps's kernels use their own chunk length: the result does not depend on it
+
+
+def _gdn_gate(g, A_log, dt_bias):
+    """FLA's gated-DeltaNet gate: -exp(A_log) * softplus(g + dt_bias), per value head, in float32."""
+    x = _f32(g) if dt_bias is None else _f32(g) + _f32(dt_bias)
+    return -_f32(A_log).exp() * F.softplus(x)
+
+
+def _kda_gate(g, A_log, dt_bias, lower_bound):
+    """FLA's KDA gate per key channel: -exp(A_log) softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) (g + dt_bias))."""
+    HV, K = g.shape[-2], g.shape[-1]
+    x = _f32(g)
+    if dt_bias is not None:
+        x = x + _f32(dt_bias).view(HV, K)
+    a = None if A_log is None else _f32(A_log).exp().view(HV, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(x if a is None else a * x)
+
+
+def _center(log_atk_scale, H, ref):
+    if log_atk_scale is None:
+        return torch.full((H,), -0.2, dtype=torch.float32, device=ref.device)
+    if isinstance(log_atk_scale, (int, float)):
+        return torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=ref.device)
+    return log_atk_scale
+
+
+def _ret2(o, ht, out):
+    return o, (ht if out else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, **kwargs):
+    """Gated DeltaNet (FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule`). Returns (o, final_state or None)."""
+    fn = "chunk_gated_delta_rule"
+    _reject(fn, kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
+    _unsupported(fn, cp_context=cp_context)
+    _chunk_size(fn, kwargs, (16, 32, 64))
+    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    if kwargs.get("use_gate_in_kernel", False):
+        g = _gdn_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"))
+    beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    o, ht, _ = recurrence("gdn", q, k, v, g=g, beta=beta, initial_state=_state_in(initial_state, v_first),
+                          scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, v_first), output_final_state)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, **kwargs):
+    """FLA's fused_recurrent_gated_delta_rule (with a backward here). `gk` (per-key decay) is added to `g`."""
+    fn = "fused_recurrent_gated_delta_rule"
+    _reject(fn, kwargs, ("transpose_state_layout",))
+    _unsupported(fn, gv=gv)
+    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    HV = v.shape[2]
+    if beta is None:
+        beta = torch.ones(q.shape[0], q.shape[1], HV, dtype=q.dtype, device=q.device)
+    if beta.dim() == 4:
+        raise NotImplementedError(f"{RCP}.{fn}: a per-value-channel beta [B, T, HV, V] is not supported by dgps")
+    beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if use_gate_in_kernel and g is not None:
+        g = _gdn_gate(g, A_log, dt_bias)
+    if gk is not None:
+        model, gate = "kda", gk if g is None else gk + g.unsqueeze(-1).to(gk.dtype)
+    elif g is not None:
+        model, gate = "gdn", g
+    else:
+        model, gate = "dn", None
+    o, ht, _ = recurrence(model, q, k, v, g=gate, beta=beta, initial_state=_state_in(initial_state, v_first),
+                          scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, v_first), output_final_state)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, **kwargs):
+    """Kimi Delta Attention (FLA `fla.ops.kda.chunk_kda`): per-key-channel decay g [B,T,HV,K]. Returns (o, ht)."""
+    fn = "chunk_kda"
+    _reject(fn, kwargs, ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "chunk_indices"))
+    _unsupported(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states)
+    _chunk_size(fn, kwargs, (32, 64))
+    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    if use_gate_in_kernel:
+        g = _kda_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound)
+    beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    o, ht, _ = recurrence("kda", q, k, v, g=g, beta=beta, initial_state=_state_in(initial_state, v_first),
+                          scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, v_first), output_final_state)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, **kwargs):
+    """FLA's fused_recurrent_kda (differentiable here). Returns (o, ht)."""
+    fn = "fused_recurrent_kda"
+    _reject(fn, kwargs, ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out",
+                         "transpose_state_layout"))
+    _unsupported(fn, ssm_state_indices=kwargs.get("ssm_state_indices"),
+                 num_accepted_tokens=kwargs.get("num_accepted_tokens"),
+                 inplace_final_state=kwargs.get("inplace_final_state"), out=kwargs.get("out"))
+    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    if use_gate_in_kernel:
+        g = _kda_gate(g, A_log, dt_bias, lower_bound)
+    beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    o, ht, _ = recurrence("kda", q, k, v, g=g, beta=beta, initial_state=_state_in(initial_state, v_first),
+                          scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, v_first), output_final_state)
+
+
+def _precond(fn, model, q, k, v, g, g_atk, beta_atk, beta, scale, initial_state, initial_A_state,
+             output_final_state, l2norm, cu_seqlens, v_first, x, eps, log_atk_scale):
+    center = _center(log_atk_scale, q.shape[2], q)
+    o, ht, at = recurrence(model, q, k, v, g=g, beta=beta, g_p=g_atk, beta_p=beta_atk, center=center,
+                           initial_state=_state_in(initial_state, v_first), initial_A_state=initial_A_state,
+                           scale=scale, output_final_state=output_final_state, l2norm_qk=l2norm, x=x, eps=eps,
+                           cu_seqlens=cu_seqlens)
+    if not output_final_state:
+        return o, None, None
+    return o, _state_out(ht, v_first), at
+
+
+def chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, scale=None, initial_state=None,
+                                   initial_A_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                                   cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+                                   transpose_state_layout=False, x=1.5, eps=1e-6, log_atk_scale=None, **kwargs):
+    """Preconditioned gated DeltaNet (FLA `chunk_precond_gated_delta_rule`). Returns (o, ht, at)."""
+    fn = "chunk_precond_gated_delta_rule"
+    _reject(fn, kwargs, ("chunk_indices", "chunk_size"))
+    _unsupported(fn, cp_context=cp_context)
+    return _precond(fn, "pgdn", q, k, v, g, g_atk, beta_atk, beta, scale, initial_state, initial_A_state,
+                    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, transpose_state_layout, x, eps,
+                    log_atk_scale)
+
+
+def fused_recurrent_precond_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, g_atk=None,
+                                             beta_atk=None, scale=None, initial_state=None, initial_A_state=None,
+                                             output_final_state=False, use_qk_l2norm_in_kernel=True,
+                                             cu_seqlens=None, transpose_state_layout=False, x=1.5, eps=1e-6,
+                                             log_atk_scale=None):
+    """FLA's fused_recurrent_precond_gated_delta_rule (differentiable here); `gk` is added to `g`. Returns (o, ht, at)."""
+    fn = "fused_recurrent_precond_gated_delta_rule"
+    _unsupported(fn, gv=gv)
+    if g_atk is None or beta_atk is None:
+        raise ValueError(f"{RCP}.{fn}: g_atk and beta_atk are required")
+    if beta is None:
+        beta = torch.ones(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    if beta.dim() == 4:
+        raise NotImplementedError(f"{RCP}.{fn}: a per-value-channel beta [B, T, HV, V] is not supported by dgps")
+    if gk is not None:
+        model, gate = "pkda", gk if g is None else gk + g.unsqueeze(-1).to(gk.dtype)
+    elif g is not None:
+        model, gate = "pgdn", g
+    else:
+        model, gate = "pdn", None
+    return _precond(fn, model, q, k, v, gate, g_atk, beta_atk, beta, scale, initial_state, initial_A_state,
+                    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, transpose_state_layout, x, eps,
+                    log_atk_scale)
+
+
+def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_state=None, initial_A_state=None,
+                      output_final_state=False, use_gate_in_kernel=False, safe_gate=False, lower_bound=None,
+                      cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
+                      transpose_state_layout=False, x=1.5, eps=1e-6, log_atk_scale=None, solve_tril_precision=None,
+                      disable_recompute=False, return_intermediate_states=False, **kwargs):
+    """Preconditioned KDA (FLA `chunk_precond_kda`; q and k are always L2-normalised, as in FLA). Returns (o, ht, at)."""
+    fn = "chunk_precond_kda"
+    _reject(fn, kwargs, ("A_log", "dt_bias", "use_qk_l2norm_in_kernel", "chunk_size"))
+    _unsupported(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states)
+    if use_gate_in_kernel:
+        g = _kda_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound)
+    return _precond(fn, "pkda", q, k, v, g, g_atk, beta_atk, beta, scale, initial_state, initial_A_state,
+                    output_final_state, True, cu_seqlens, transpose_state_layout, x, eps, log_atk_scale)
+
+
+def fused_recurrent_precond_kda(q, k, v, g, g_atk, beta_atk, beta, A_log=None, dt_bias=None, scale=None,
+                                initial_state=None, initial_A_state=None, output_final_state=False,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, lower_bound=None,
+                                cu_seqlens=None, transpose_state_layout=False, x=1.5, eps=1e-6, log_atk_scale=None,
+                                **kwargs):
+    """FLA's fused_recurrent_precond_kda (differentiable here). Returns (o, ht, at)."""
+    fn = "fused_recurrent_precond_kda"
+    _reject(fn, kwargs)
+    if use_gate_in_kernel:
+        g = _kda_gate(g, A_log, dt_bias, lower_bound)
+    return _precond(fn, "pkda", q, k, v, g, g_atk, beta_atk, beta, scale, initial_state, initial_A_state,
+                    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, transpose_state_layout, x, eps,
+                    log_atk_scale)
+
+
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """DeltaNet (FLA `fla.ops.delta_rule.chunk_delta_rule`; float32 inputs are allowed here). Returns (o, ht)."""
+    fn = "chunk_delta_rule"
+    _reject(fn, kwargs, ("chunk_size",))
+    _chunk_size(fn, kwargs, (16, 32, 64))
+    o, ht, _ = recurrence("dn", q, k, v, beta=beta, initial_state=initial_state, scale=scale,
+                          output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens)
+    return _ret2(o, ht, output_final_state)
+
+
+def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """FLA's fused_recurrent_delta_rule (beta defaults to ones). Returns (o, ht)."""
+    fn = "fused_recurrent_delta_rule"
+    if beta is None:
+        beta = torch.ones(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    if beta.dim() == 4:
+        raise NotImplementedError(f"{RCP}.{fn}: a per-value-channel beta [B, T, H, V] is not supported by dgps")
+    return chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            cu_seqlens)
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
+    """Gated linear attention (FLA `fla.ops.gla.chunk_gla`): g [B,T,H,K] log decays, no delta rule. Returns (o, ht)."""
+    fn = "chunk_gla"
+    _reject(fn, kwargs, ("cu_seqlens_cpu", "chunk_indices", "g_cumsum", "state_v_first"))
+    _unsupported(fn, g_cumsum=kwargs.get("g_cumsum"))
+    v_first = kwargs.get("state_v_first", False)
+    o, ht, _ = recurrence("gla", q, k, v, g=g, initial_state=_state_in(initial_state, v_first), scale=scale,
+                          output_final_state=output_final_state, l2norm_qk=False, cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, v_first), output_final_state)
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """Mamba-2-style scalar-decay linear attention (FLA `chunk_simple_gla`): g [B,T,H] or g_gamma [H]. Returns (o, ht)."""
+    fn = "chunk_simple_gla"
+    _reject(fn, kwargs, ("chunk_size", "chunk_indices"))
+    if g is not None and g_gamma is not None:
+        raise ValueError(f"{RCP}.{fn}: pass g or g_gamma, not both")
+    if g_gamma is not None:
+        g = g_gamma.to(q.dtype if q.device.type == "cpu" else g_gamma.dtype).view(1, 1, -1).expand(
+            q.shape[0], q.shape[1], -1)
+    model = "la" if g is None else "simple_gla"
+    model = model if model == "la" else "scalar,unit,identity,offline"
+    o, ht, _ = recurrence(model, q, k, v, g=g, initial_state=_state_in(initial_state, state_v_first), scale=scale,
+                          output_final_state=output_final_state, l2norm_qk=False, cu_seqlens=cu_seqlens)
+    return _ret2(o, _state_out(ht, state_v_first), output_final_state)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None):
+    """FLA's fused_recurrent_simple_gla (reverse=True is not supported). Returns (o, ht)."""
+    _unsupported("fused_recurrent_simple_gla", reverse=reverse)
+    return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens)
