@@ -28,6 +28,14 @@ def _nvcc():
     return None
 
 
+def _paths(fn, cuda):
+    """torch.utils.cpp_extension's include_paths / library_paths: `cuda=` before PyTorch 2.6, `device_type=` after."""
+    import inspect
+    if "device_type" in inspect.signature(fn).parameters:
+        return fn(device_type="cuda" if cuda else "cpu")
+    return fn(cuda=cuda)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         import torch
@@ -39,8 +47,8 @@ class CMakeBuild(build_ext):
         build.mkdir(parents=True, exist_ok=True)
         args = [
             "cmake", "-S", str(HERE), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-            "-DTORCH_INCLUDE_DIRS=" + ";".join(ce.include_paths(cuda=cuda)),
-            "-DTORCH_LIBRARY_DIRS=" + ";".join(ce.library_paths(cuda=cuda)),
+            "-DTORCH_INCLUDE_DIRS=" + ";".join(_paths(ce.include_paths, cuda)),
+            "-DTORCH_LIBRARY_DIRS=" + ";".join(_paths(ce.library_paths, cuda)),
             "-DTORCH_CXX11_ABI=" + str(int(torch.compiled_with_cxx11_abi())),
             "-DDGPS_TORCH_CUDA=" + ("ON" if cuda else "OFF"),
             "-DDGPS_TORCH_DYNAMIC=" + ("ON" if _flag("DGPS_TORCH_DYNAMIC", False) else "OFF"),

@@ -46,6 +46,13 @@ std::vector<T> buffer(const std::string& name, const std::vector<int64_t>& shape
   return std::vector<T>(static_cast<size_t>(bytes > 0 ? bytes / 8 : 1), T(0));
 }
 
+/// "." + name + tag, built by appending (GCC 12's -Wrestrict misfires on the chained operator+ form).
+std::string hidden_name(const std::string& name, const std::string& tag) {
+  std::string s(".");
+  s.append(name).append(tag);
+  return s;
+}
+
 /// Writes every result into `out_dir` all or nothing: each to a temporary file there, then renamed over its target
 /// once all are written; on any failure the directory is left as it was (removed again if this call created it).
 template <class T>
@@ -67,13 +74,13 @@ std::string write_all(const std::vector<Result<T>>& results, dgps::npy::DType dt
         throw InputError(final_paths.back().string() + ": exists and is not a regular file");
     }
     for (const auto& r : results) {
-      temps.push_back(dir / ("." + r.name + ".npy" + tag));
+      temps.push_back(dir / hidden_name(r.name + ".npy", tag));
       dgps::npy::write(temps.back().string(), dgps::npy::Array::from<T>(dtype, r.shape, r.data.data()));
     }
     for (const auto& f : final_paths) {  // a link to each file replaced, to restore it if a later rename fails
       backups.emplace_back();
       if (fs::exists(fs::symlink_status(f))) {
-        backups.back() = dir / ("." + f.filename().string() + ".bak" + tag);
+        backups.back() = dir / hidden_name(f.filename().string() + ".bak", tag);
         std::error_code link_error;
         fs::create_hard_link(f, backups.back(), link_error);
         if (link_error) fs::copy_file(f, backups.back());
