@@ -200,7 +200,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
         const T* prev = t > ta ? At + trow(t - 1) : a_in;
         const T* kn = Kn + trow(t);
-        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = a * prev[c] + bb * kn[c] * kn[c];
+        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = stats1(prev[c], a, bb, kn[c]);
       }
     }
     const int64_t o = trow(ta), n = (tb - ta) * Kp;
@@ -447,8 +447,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     for (int64_t i = 0; i < c; ++i)
       for (int64_t j = 0; j < Cp; j += L) {
         const V jv = iota + T(j), pv = vload(P + i * pld + j);
-        vstore(Aqs + i * Cp + j, jv <= vsplat(T(i)) ? pv : V{});
-        if (online) vstore(Bms + i * Cp + j, jv < vsplat(T(i)) ? vload(Bms + i * Cp + j) : V{});
+        vstore(Aqs + i * Cp + j, sel(jv <= vsplat(T(i)), pv, V{}));
+        if (online) vstore(Bms + i * Cp + j, sel(jv < vsplat(T(i)), vload(Bms + i * Cp + j), V{}));
       }
   };
 

@@ -32,7 +32,7 @@ inline void split_diagonal(T* dAq, int64_t c, int64_t Cp, T* ddq) {
   for (int64_t i = 0; i < c; ++i) {
     ddq[i] = dAq[i * Cp + i];
     const V iv = vsplat(T(i));
-    for (int64_t j = 0; j < Cp; j += L) vstore(dAq + i * Cp + j, iota + T(j) < iv ? vload(dAq + i * Cp + j) : V{});
+    for (int64_t j = 0; j < Cp; j += L) vstore(dAq + i * Cp + j, sel(iota + T(j) < iv, vload(dAq + i * Cp + j), V{}));
   }
 }
 
@@ -49,7 +49,7 @@ inline void dakk_rows(T* dB, const T* Bm, const T* Bt, int64_t c, int64_t Cp, T*
     const V iv = vsplat(T(i)), bt = vsplat(Bt[i]);
     V a0{}, a1{};  // dbeta_i += sum_j dAkk_ij Bm_ij, two accumulators
     for (int64_t j = 0; j < Cp; j += L) {
-      const V x = iota + T(j) < iv ? -vload(db + j) : V{};
+      const V x = sel(iota + T(j) < iv, -vload(db + j), V{});
       if ((j / L) % 2)
         a1 += x * vload(bm + j);
       else
@@ -57,9 +57,7 @@ inline void dakk_rows(T* dB, const T* Bm, const T* Bt, int64_t c, int64_t Cp, T*
       vstore(db + j, x * bt);
     }
     a0 += a1;
-    T sum = 0;
-    for (int l = 0; l < L; ++l) sum += a0[l];
-    dbet[i] += sum;
+    dbet[i] += hsum<T>(a0);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "convert.hpp"
+#include "dgps/detail/squash.hpp"
 #include "gemm.hpp"
 #include "intra.hpp"
 #include "scratch.hpp"
@@ -179,7 +180,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
           const T ai = ga[i], bi = gb[i];
           for (int u = 0; u < nv; ++u) {
             const V k = vload(Kn + i * Kp + ch0 + u * L);
-            x[u] = ai * x[u] + bi * k * k;
+            x[u] = dgps::maths::stats_step<V>(x[u], ai, bi, k);  // SPEC §2, in lanes
             vstore(At + i * Kp + ch0 + u * L, x[u]);
           }
         }
@@ -297,9 +298,9 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
           for (int64_t j = 0; j < Cp; j += L) {
             const V jv = iota + T(j);
             const V pk = j < jn ? vload(Pb + i * Cp + j) : V{}, pq = j < jn ? vload(Pb + (nb + i) * Cp + j) : V{};
-            vstore(Akk + row * Cp + j, (jv < rv) & (jv < jnv) ? bi * pk : V{});
-            vstore(Aqk + row * Cp + j, (jv <= rv) & (jv < jnv) ? pq : V{});
-            if (Bu) vstore(Bu + row * Cp + j, (jv < rv) & (jv < jnv) ? pk : V{});
+            vstore(Akk + row * Cp + j, sel((jv < rv) & (jv < jnv), bi * pk, V{}));
+            vstore(Aqk + row * Cp + j, sel((jv <= rv) & (jv < jnv), pq, V{}));
+            if (Bu) vstore(Bu + row * Cp + j, sel((jv < rv) & (jv < jnv), pk, V{}));
           }
         }
         if (fact) continue;
@@ -315,11 +316,7 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
               accq += vload(Qr + i * Kp + ch) * w;
               acck += vload(Kn + i * Kp + ch) * w;
             }
-            T sq = 0, sk = 0;
-            for (int l = 0; l < L; ++l) {
-              sq += accq[l];
-              sk += acck[l];
-            }
+            const T sq = hsum<T>(accq), sk = hsum<T>(acck);
             Aqk[i * Cp + j] = sq;
             if (j < i) Akk[i * Cp + j] = Bt[i] * sk;
             if (Bu && j < i) Bu[i * Cp + j] = sk;
@@ -336,7 +333,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
       for (int64_t i = 0; i < c; ++i)
         for (int64_t j = 0; j < Cp; j += L) {
           const V jv = iota + T(j);
-          vstore(Pk + i * pld + j, jv <= vsplat(T(i)) ? vload(Aqk + i * Cp + j) : (Bu ? vload(Pk + i * pld + j) : V{}));
+          vstore(Pk + i * pld + j,
+                 sel(jv <= vsplat(T(i)), vload(Aqk + i * Cp + j), Bu ? vload(Pk + i * pld + j) : V{}));
         }
       tr.copy(blk + K * p.saved_ld + (s.online ? C * p.saved_ld : 0), pld, Pk, pld, c, pld);
     }

@@ -26,38 +26,43 @@ struct F16Bits {
 template <class In>
 inline constexpr bool kHalf = std::is_same_v<In, Bf16Bits> || std::is_same_v<In, F16Bits>;
 
-typedef uint32_t VU __attribute__((vector_size(kVecBytes)));
-typedef uint16_t VH __attribute__((vector_size(kVecBytes / 2)));
-typedef uint16_t VHu __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
+/// m ? x : y on uint32 lanes, m a comparison of the lanes as int32 (the values compared are below 2^31, where
+/// the signed order is the unsigned one).
+template <class M>
+inline VU sel_u(const M& m, const VU& x, const VU& y) {
+  return bitcast<VU>(sel(m, bitcast<VI>(x), bitcast<VI>(y)));
+}
 
 /// L halves (bit patterns widened to 32 bits) to L floats.
-inline VF half_to_float_v(VU h, bool bf) {
-  if (bf) return (VF)(h << 16);
-  const VU sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  const VU normal = ((e + 112u) << 23) | (m << 13);
-  const VU infnan = 0x7f800000u | (m << 13);
-  const VU sub = (VU)(__builtin_convertvector((VI)m, VF) * 0x1p-24f);
-  const VU r = e == 0u ? sub : (e == 0x1fu ? infnan : normal);
-  return (VF)(r | sign);
+inline VF half_to_float_v(const VU& h, bool bf) {
+  if (bf) return bitcast<VF>(shl<16>(h));
+  const VU sign = shl<16>(h & 0x8000u), e = shr<10>(h) & 0x1fu, m = h & 0x3ffu;
+  const VU normal = shl<23>(e + 112u) | shl<13>(m);
+  const VU infnan = 0x7f800000u | shl<13>(m);
+  const VU sub = bitcast<VU>(to_float(bitcast<VI>(m)) * 0x1p-24f);
+  const VI ei = bitcast<VI>(e);
+  const VU r = sel_u(ei == 0, sub, sel_u(ei == 0x1f, infnan, normal));
+  return bitcast<VF>(r | sign);
 }
 
 /// L floats to L halves (bit patterns in 32-bit lanes), round to nearest even.
-inline VU float_to_half_v(VF x, bool bf) {
-  const VU u = (VU)x;
+inline VU float_to_half_v(const VF& x, bool bf) {
+  const VU u = bitcast<VU>(x);
   const VU a = u & 0x7fffffffu;
+  const VI ai = bitcast<VI>(a);
   if (bf) {
-    const VU r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return a > 0x7f800000u ? ((u >> 16) | 0x40u) : r;
+    const VU r = shr<16>(u + 0x7fffu + (shr<16>(u) & 1u));
+    return sel_u(ai > 0x7f800000, shr<16>(u) | 0x40u, r);
   }
-  const VU sign = (u >> 16) & 0x8000u;
+  const VU sign = shr<16>(u) & 0x8000u;
   const VU rn = a - 0x38000000u;
-  const VU normal = (rn + 0xfffu + ((rn >> 13) & 1u)) >> 13;
+  const VU normal = shr<13>(rn + 0xfffu + (shr<13>(rn) & 1u));
   // Below 2^-14: adding 0.5 leaves a float whose last mantissa bit is worth 2^-24 (a half's
   // subnormal step), so the FPU's round-to-nearest-even does the rounding.
-  const VU sub = (VU)((VF)a + 0.5f) - 0x3f000000u;
-  VU r = a < 0x38800000u ? sub : normal;
-  r = a >= 0x477ff000u ? VU{} + 0x7c00u : r;
-  r = a > 0x7f800000u ? (0x7e00u | ((a >> 13) & 0x3ffu)) : r;
+  const VU sub = bitcast<VU>(bitcast<VF>(a) + 0.5f) - 0x3f000000u;
+  VU r = sel_u(ai < 0x38800000, sub, normal);
+  r = sel_u(ai >= 0x477ff000, VU(0x7c00u), r);
+  r = sel_u(ai > 0x7f800000, 0x7e00u | (shr<13>(a) & 0x3ffu), r);
   return r | sign;
 }
 
@@ -99,10 +104,8 @@ inline void load_cvt(const In* src, int64_t n, T* dst) {
     constexpr int L = Vec<float>::L;
     constexpr bool bf = std::is_same_v<In, Bf16Bits>;
     int64_t i = 0;
-    for (; i + L <= n; i += L) {
-      const VH h = *reinterpret_cast<const VHu*>(src + i);
-      vstore(dst + i, half_to_float_v(__builtin_convertvector(h, VU), bf));
-    }
+    for (; i + L <= n; i += L)
+      vstore(dst + i, half_to_float_v(load_u16(reinterpret_cast<const uint16_t*>(src + i)), bf));
     for (; i < n; ++i) dst[i] = to_c<T>(src[i]);
   }
 }
@@ -117,13 +120,13 @@ inline void store_cvt(const T* src, int64_t n, Out* dst) {
     constexpr int L = Vec<float>::L;
     constexpr bool bf = std::is_same_v<Out, Bf16Bits>;
     int64_t i = 0;
-    for (; i + L <= n; i += L)
-      *reinterpret_cast<VHu*>(dst + i) = __builtin_convertvector(float_to_half_v(vload(src + i), bf), VH);
+    for (; i + L <= n; i += L) store_u16(reinterpret_cast<uint16_t*>(dst + i), float_to_half_v(vload(src + i), bf));
     if (i < n) {
       // Tail: through one padded vector (at most L - 1 elements).
       alignas(64) float in[Vec<float>::L] = {};
       for (int64_t j = i; j < n; ++j) in[j - i] = src[j];
-      const VU r = float_to_half_v(vload(in), bf);
+      alignas(64) uint32_t r[Vec<float>::L];
+      vstore(r, float_to_half_v(vload(in), bf));
       for (int64_t j = i; j < n; ++j) dst[j].bits = uint16_t(r[j - i]);
     }
   }
@@ -164,8 +167,7 @@ inline void load_row(const In* xin, int64_t K, bool norm, T mul, T* out, T* rstd
       acc0 += a * a;
     }
     acc0 += acc1;
-    T ss = 0;
-    for (int l = 0; l < L; ++l) ss += acc0[l];
+    T ss = hsum<T>(acc0);
     for (; i < K; ++i) ss += x[i] * x[i];
     rstd = T(1) / std::sqrt(ss + T(1e-6));
   }

@@ -209,7 +209,7 @@ void decode_task_t(const KernelParams& p, int64_t task) {
     if (s.diag_pre) {
       const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
       T* m = work;
-      for (int64_t c = 0; c < K; ++c) m[c] = Pst[c] = a * Pst[c] + bb * kn[c] * kn[c];
+      for (int64_t c = 0; c < K; ++c) m[c] = Pst[c] = stats1(Pst[c], a, bb, kn[c]);
       squash_inplace(m, Kp, ctr, s.log_x, s.eps);
       for (int64_t c = 0; c < K; ++c) {
         if (key_target) kw[c] = kn[c] * m[c];

@@ -139,9 +139,7 @@ inline T dot_padded(const T* a, const T* b, int64_t n) {
   }
   for (; i < n; i += L) acc0 += vload(a + i) * vload(b + i);
   acc0 += acc1;
-  T s = 0;
-  for (int l = 0; l < L; ++l) s += acc0[l];
-  return s;
+  return hsum<T>(acc0);
 }
 
 /// sum_i a[i] b[i] with vector accumulators (the compiler may not reorder a scalar float sum).
@@ -157,8 +155,7 @@ inline T dotv(const T* a, const T* b, int64_t n) {
   }
   for (; i + L <= n; i += L) acc0 += vload(a + i) * vload(b + i);
   acc0 += acc1;
-  T sum = 0;
-  for (int l = 0; l < L; ++l) sum += acc0[l];
+  T sum = hsum<T>(acc0);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }

@@ -23,7 +23,7 @@ void gate_row(const T* Gam, int64_t i, int64_t Cp, T* out) {
   const V iota = iota_v<T>();
   for (int64_t j = 0; j < Cp; j += L) {
     const V jv = iota + T(j);
-    vstore(out + j, jv <= vsplat(T(i)) ? vsplat(Gam[i]) - vload(Gam + j) : vsplat(T(-1000)));
+    vstore(out + j, sel(jv <= vsplat(T(i)), vsplat(Gam[i]) - vload(Gam + j), vsplat(T(-1000))));
   }
   exp_inplace(out, Cp);
 }
@@ -47,11 +47,11 @@ void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, in
     // Selects, not products: the entries above the diagonal that c_lower skips are stale.
     for (int64_t j = 0; j < Cp; j += L) {
       const V jv = iota + T(j), f = vload(tmp + j);
-      vstore(Aq + i * Cp + j, jv <= vsplat(T(i)) ? f * vload(Aq + i * Cp + j) : V{});
+      vstore(Aq + i * Cp + j, sel(jv <= vsplat(T(i)), f * vload(Aq + i * Cp + j), V{}));
       if (online) {
         const V raw = vload(Bm + i * Cp + j);
-        if (Bu) vstore(Bu + i * Cp + j, jv < vsplat(T(i)) ? f * raw : V{});
-        vstore(Bm + i * Cp + j, jv < vsplat(T(i)) ? (w * f) * raw : V{});
+        if (Bu) vstore(Bu + i * Cp + j, sel(jv < vsplat(T(i)), f * raw, V{}));
+        vstore(Bm + i * Cp + j, sel(jv < vsplat(T(i)), (w * f) * raw, V{}));
       }
     }
   }
@@ -70,12 +70,10 @@ bool factorable(const T* Gam, int64_t Kp, int64_t i0, int64_t nb) {
   V mx{};
   for (int64_t i = i0 + 1; i < i0 + nb; ++i)
     for (int64_t ch = 0; ch < Kp; ch += L) {
-      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
-      mx = ad > mx ? ad : mx;
+      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = sel(d < V{}, -d, d);
+      mx = sel(ad > mx, ad, mx);
     }
-  bool ok = true;
-  for (int l = 0; l < L; ++l) ok = ok && mx[l] <= kFactorRange;
-  return ok;
+  return all_lanes(mx <= vsplat(kFactorRange));
 }
 
 /// Diagonal decay, forward: how many leading rows of the sub-block [i0, i0 + nb) stay within the
@@ -90,12 +88,11 @@ int64_t factor_rows(const T* Gam, int64_t Kp, int64_t i0, int64_t nb) {
   for (int64_t i = i0 + 1; i < i0 + nb; ++i) {
     V mx{};
     for (int64_t ch = 0; ch < Kp; ch += L) {
-      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = d < V{} ? -d : d;
-      mx = ad > mx ? ad : mx;
-      mx = ad == ad ? mx : vsplat(T(2) * kFactorRange);  // NaN: out of range
+      const V d = vload(Gam + i * Kp + ch) - vload(g0 + ch), ad = sel(d < V{}, -d, d);
+      mx = sel(ad > mx, ad, mx);
+      mx = sel(ad == ad, mx, vsplat(T(2) * kFactorRange));  // NaN: out of range
     }
-    for (int l = 0; l < L; ++l)
-      if (!(mx[l] <= kFactorRange)) return i - i0;
+    if (!all_lanes(mx <= vsplat(kFactorRange))) return i - i0;
   }
   return nb;
 }

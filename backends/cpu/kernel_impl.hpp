@@ -16,6 +16,8 @@
 #include "convert.hpp"
 #include "decode.hpp"
 #include "isa.hpp"
+#include "simd.hpp"
+#include "squash_simd.hpp"
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
@@ -54,11 +56,25 @@ void backward_task(const KernelParams& p, int64_t task, int64_t group, double* d
     backward_task_t<float>(p, task, group, dcenter);
 }
 
+void squash_lanes(const float* A, int64_t n, float center, float log_x, float eps, float* out) {
+  constexpr int L = Vec<float>::L, G = 8;
+  for (int64_t i = 0; i < n; i += G * L) {
+    VF a[G], m[G];
+    for (int u = 0; u < G; ++u) a[u] = vload(A + i + u * L);
+    const bool vn = squash_vn<G>(a, m, center, log_x, eps);
+    for (int u = 0; u < G; ++u) vstore(out + i + u * L, vn ? m[u] : squash_v(a[u], center, log_x, eps));
+  }
+  for (int64_t i = 0; i < n; i += L) vstore(out + n + i, squash_v(vload(A + i), center, log_x, eps));
+  for (int64_t i = 0; i < n; ++i) out[2 * n + i] = A[i];
+  squash_inplace(out + 2 * n, n, center, log_x, eps);
+  squash_slope(A, out + 3 * n, out + 4 * n, n, center, log_x, eps);
+}
+
 }  // namespace
 
 #define DGPS_STR2(x) #x
 #define DGPS_STR(x) DGPS_STR2(x)
 
-IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task, &backward_task}; }
+IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task, &backward_task, &squash_lanes}; }
 
 }  // namespace dgps::cpu::kernels::DGPS_ISA_NS

@@ -4,33 +4,51 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dgps/detail/squash.hpp"
 #include "simd.hpp"
 #include "vmath.hpp"
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-/// The squash of SPEC §2 for one value: M = exp(-log(x) r / (1 + |r|)), r = log(A + eps) - center.
+/// The smallest normal float: the vector paths take A + eps at or above it (log_v's domain).
+constexpr float kMinNormal = 1.17549435e-38f;
+
+/// dgps::maths::squash (SPEC §2) for one value. Flattened into this internal function so that no inline
+/// function compiled with this unit's flags is shared with another unit through the linker.
 template <class T>
-inline T squash1(T A, T center, T log_x, T eps) {
-  const T ae = A + eps;
-  if (!(ae > T(0))) return std::exp(log_x);
-  const T r = std::log(ae) - center;
-  return std::exp(-log_x * (r / (T(1) + std::fabs(r))));
+[[gnu::flatten]] inline T squash1(T A, T center, T log_x, T eps) {
+  return dgps::maths::squash(A, center, log_x, eps);
+}
+
+/// dgps::maths::stats_step (SPEC §2) for one channel, flattened as squash1: a A + b kn^2.
+template <class T>
+[[gnu::flatten]] inline T stats1(T A, T a, T b, T kn) {
+  return dgps::maths::stats_step(A, a, b, kn);
+}
+
+/// dgps::maths::squash and squash_slope for one value: returns M and stores dM/dA in `*dmda` (0 where
+/// A + eps <= 0). Flattened as squash1.
+template <class T>
+[[gnu::flatten]] inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
+  const T m = dgps::maths::squash(A, center, log_x, eps);
+  *dmda = dgps::maths::squash_slope(A, m, center, log_x, eps);
+  return m;
 }
 
 /// The squash of SPEC §2 on one vector of statistics A (lanes with A + eps below the normal range, or
 /// NaN, one by one through squash1). Its exponent -log(x) r / (1 + |r|) lies within |log x|, so
 /// for x in [0.47, 2.1] (the default is 1.5) exp needs no range reduction.
-inline VF squash_v(VF A, float center, float log_x, float eps) {
+inline VF squash_v(const VF& A, float center, float log_x, float eps) {
   const VF ae = A + eps;
-  if (!all_lanes(ae >= vsplat(1.17549435e-38f))) {
-    VF m;
-    for (int l = 0; l < Vec<float>::L; ++l) m[l] = squash1(A[l], center, log_x, eps);
-    return m;
+  if (!all_lanes(ae >= vsplat(kMinNormal))) {
+    alignas(64) float m[Vec<float>::L];
+    vstore(m, A);
+    for (int l = 0; l < Vec<float>::L; ++l) m[l] = squash1(m[l], center, log_x, eps);
+    return vload(m);
   }
   const VF r = log_v(ae) - center;
-  const VF ar = r < vsplat(0.0f) ? -r : r;
+  const VF ar = sel(r < vsplat(0.0f), -r, r);
   const VF u = (-log_x * r) * recip_v(1.0f + ar);
   return std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);
 }
@@ -43,17 +61,15 @@ inline VF squash_v(VF A, float center, float log_x, float eps) {
 template <int N>
 inline bool squash_vn(const VF* A, VF* out, float center, float log_x, float eps, VF* iden = nullptr) {
   VF ae[N];
-  VI ok = VI{} - 1;
-  for (int n = 0; n < N; ++n) {
-    ae[n] = A[n] + eps;
-    ok &= ae[n] >= vsplat(1.17549435e-38f);
-  }
+  for (int n = 0; n < N; ++n) ae[n] = A[n] + eps;
+  auto ok = ae[0] >= vsplat(kMinNormal);
+  for (int n = 1; n < N; ++n) ok = ok & (ae[n] >= vsplat(kMinNormal));
   if (!all_lanes(ok) || !(std::fabs(log_x) <= 0.75f)) return false;
   VF r[N], d[N], u[N];
   log_vn<N>(ae, r);
   for (int n = 0; n < N; ++n) {  // u = -log(x) r / (1 + |r|), r = log(A + eps) - center
     r[n] = r[n] - center;
-    d[n] = 1.0f + (r[n] < vsplat(0.0f) ? -r[n] : r[n]);
+    d[n] = 1.0f + sel(r[n] < vsplat(0.0f), -r[n], r[n]);
   }
   for (int n = 0; n < N; ++n) d[n] = recip_v(d[n]);
   if (iden)
@@ -70,20 +86,17 @@ void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
     constexpr int L = Vec<float>::L;
     // One check for the whole row first (the usual case: every A + eps normal), in vector lanes;
     // a NaN fails the comparison and sends the row to the per-vector checks.
-    VI ok = VI{} - 1;
-    for (int64_t i = 0; i < n; i += L) ok &= vload(a + i) + eps >= vsplat(1.17549435e-38f);
     bool all_normal = true;
-    for (int l = 0; l < L; ++l) all_normal = all_normal && ok[l] != 0;
+    if (n > 0) {
+      auto ok = vload(a) + eps >= vsplat(kMinNormal);
+      for (int64_t i = L; i < n; i += L) ok = ok & (vload(a + i) + eps >= vsplat(kMinNormal));
+      all_normal = all_lanes(ok);
+    }
     for (int64_t i = 0; i < n; i += L) {
       const VF ae = vload(a + i) + eps;
-      bool normal = all_normal;
-      if (!normal) {
-        normal = true;
-        for (int l = 0; l < L; ++l) normal = normal && ae[l] >= 1.17549435e-38f;
-      }
-      if (normal) {
+      if (all_normal || all_lanes(ae >= vsplat(kMinNormal))) {
         const VF r = log_v(ae) - center;
-        const VF ar = r < vsplat(0.0f) ? -r : r;
+        const VF ar = sel(r < vsplat(0.0f), -r, r);
         vstore(a + i, exp_v(-log_x * (r / (1.0f + ar))));
       } else {
         for (int l = 0; l < L; ++l) a[i + l] = squash1(a[i + l], center, log_x, eps);
@@ -92,21 +105,6 @@ void squash_inplace(T* a, int64_t n, T center, T log_x, T eps) {
   } else {
     for (int64_t i = 0; i < n; ++i) a[i] = squash1(a[i], center, log_x, eps);
   }
-}
-
-/// The squash of SPEC §2 and its derivative dM/dA (0 where A + eps <= 0, as in the reference).
-template <class T>
-inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
-  const T ae = A + eps;
-  if (!(ae > T(0))) {
-    *dmda = T(0);
-    return std::exp(log_x);
-  }
-  const T r = std::log(ae) - center;
-  const T den = T(1) + std::fabs(r);
-  const T m = std::exp(-log_x * (r / den));
-  *dmda = m * (-log_x) / (den * den) / ae;
-  return m;
 }
 
 /// M[i] = squash(A[i]) (SPEC §2) and D[i] = dM/dA there, M (-log x) / ((1 + |r|)^2 (A + eps)) with
@@ -128,9 +126,9 @@ void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
     }
     for (; i < n; i += L) {
       const VF ae = vload(A + i) + eps;
-      if (all_lanes(ae >= vsplat(1.17549435e-38f))) {
+      if (all_lanes(ae >= vsplat(kMinNormal))) {
         const VF r = log_v(ae) - center;
-        const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
+        const VF den = 1.0f + sel(r < vsplat(0.0f), -r, r);
         const VF iden = recip_v(den);  // the forward's squash_v rounding
         const VF u = (-log_x * r) * iden;
         const VF m = std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);

@@ -1,28 +1,64 @@
 /// @brief Matrix transposes of the CPU leaf kernels (4 x 4 register blocks; 16 x 16 float tiles on AVX-512).
+///
+/// Two-source shuffles are among the operations xsimd 8.1 lacks: the register blocks are one small helper
+/// per ISA (SSE / AVX / AVX-512 intrinsics, scalar elsewhere) behind transpose4 and transpose16.
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "simd.hpp"
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-/// Four-element vectors of T (and the matching integer shuffle masks) for the 4 x 4 transpose.
+/// One 4 x 4 block, dst[j * ldd + i] = src[i * lds + j] for i, j < 4.
 template <class T>
-struct Quad {
-  typedef T type __attribute__((vector_size(4 * sizeof(T)), aligned(sizeof(T)), may_alias));
-  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> I;
-  typedef I mask __attribute__((vector_size(4 * sizeof(T))));
-};
+inline void transpose4(const T* src, int64_t lds, T* dst, int64_t ldd) {
+#if defined(__SSE2__)
+  if constexpr (sizeof(T) == 4) {
+    const float* s = reinterpret_cast<const float*>(src);
+    float* d = reinterpret_cast<float*>(dst);
+    const __m128 a = _mm_loadu_ps(s), b = _mm_loadu_ps(s + lds), c = _mm_loadu_ps(s + 2 * lds),
+                 e = _mm_loadu_ps(s + 3 * lds);
+    const __m128 t0 = _mm_unpacklo_ps(a, b), t1 = _mm_unpackhi_ps(a, b);
+    const __m128 t2 = _mm_unpacklo_ps(c, e), t3 = _mm_unpackhi_ps(c, e);
+    _mm_storeu_ps(d, _mm_movelh_ps(t0, t2));
+    _mm_storeu_ps(d + ldd, _mm_movehl_ps(t2, t0));
+    _mm_storeu_ps(d + 2 * ldd, _mm_movelh_ps(t1, t3));
+    _mm_storeu_ps(d + 3 * ldd, _mm_movehl_ps(t3, t1));
+    return;
+  } else {
+    const double* s = reinterpret_cast<const double*>(src);
+    double* d = reinterpret_cast<double*>(dst);
+#if defined(__AVX__)
+    const __m256d a = _mm256_loadu_pd(s), b = _mm256_loadu_pd(s + lds), c = _mm256_loadu_pd(s + 2 * lds),
+                  e = _mm256_loadu_pd(s + 3 * lds);
+    const __m256d t0 = _mm256_unpacklo_pd(a, b), t1 = _mm256_unpackhi_pd(a, b);  // a0 b0 a2 b2, a1 b1 a3 b3
+    const __m256d t2 = _mm256_unpacklo_pd(c, e), t3 = _mm256_unpackhi_pd(c, e);
+    _mm256_storeu_pd(d, _mm256_permute2f128_pd(t0, t2, 0x20));
+    _mm256_storeu_pd(d + ldd, _mm256_permute2f128_pd(t1, t3, 0x20));
+    _mm256_storeu_pd(d + 2 * ldd, _mm256_permute2f128_pd(t0, t2, 0x31));
+    _mm256_storeu_pd(d + 3 * ldd, _mm256_permute2f128_pd(t1, t3, 0x31));
+#else
+    for (int bi = 0; bi < 4; bi += 2)  // 2 x 2 blocks
+      for (int bj = 0; bj < 4; bj += 2) {
+        const __m128d a = _mm_loadu_pd(s + bi * lds + bj), b = _mm_loadu_pd(s + (bi + 1) * lds + bj);
+        _mm_storeu_pd(d + bj * ldd + bi, _mm_unpacklo_pd(a, b));
+        _mm_storeu_pd(d + (bj + 1) * ldd + bi, _mm_unpackhi_pd(a, b));
+      }
+#endif
+    return;
+  }
+#else
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
+}
 
 /// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 4 x 4 register blocks (eight shuffles
 /// each) inside 16 x 16 tiles, scalar edges.
 template <class T>
 void transpose_quads(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
-  using Q = typename Quad<T>::type;
-  using M = typename Quad<T>::mask;
   constexpr int64_t B = 16;
   const int64_t r4 = rows / 4 * 4, c4 = cols / 4 * 4;
   for (int64_t i0 = 0; i0 < r4; i0 += B) {
@@ -30,18 +66,7 @@ void transpose_quads(int64_t rows, int64_t cols, const T* src, int64_t lds, T* d
     for (int64_t j0 = 0; j0 < c4; j0 += B) {
       const int64_t j1 = imin(c4, j0 + B);
       for (int64_t i = i0; i < i1; i += 4)
-        for (int64_t j = j0; j < j1; j += 4) {
-          const Q a = *reinterpret_cast<const Q*>(src + i * lds + j);
-          const Q b = *reinterpret_cast<const Q*>(src + (i + 1) * lds + j);
-          const Q c = *reinterpret_cast<const Q*>(src + (i + 2) * lds + j);
-          const Q d = *reinterpret_cast<const Q*>(src + (i + 3) * lds + j);
-          const Q t0 = __builtin_shuffle(a, b, M{0, 4, 1, 5}), t1 = __builtin_shuffle(a, b, M{2, 6, 3, 7});
-          const Q t2 = __builtin_shuffle(c, d, M{0, 4, 1, 5}), t3 = __builtin_shuffle(c, d, M{2, 6, 3, 7});
-          *reinterpret_cast<Q*>(dst + j * ldd + i) = __builtin_shuffle(t0, t2, M{0, 1, 4, 5});
-          *reinterpret_cast<Q*>(dst + (j + 1) * ldd + i) = __builtin_shuffle(t0, t2, M{2, 3, 6, 7});
-          *reinterpret_cast<Q*>(dst + (j + 2) * ldd + i) = __builtin_shuffle(t1, t3, M{0, 1, 4, 5});
-          *reinterpret_cast<Q*>(dst + (j + 3) * ldd + i) = __builtin_shuffle(t1, t3, M{2, 3, 6, 7});
-        }
+        for (int64_t j = j0; j < j1; j += 4) transpose4(src + i * lds + j, lds, dst + j * ldd + i, ldd);
     }
   }
   for (int64_t i = 0; i < rows; ++i)
@@ -53,33 +78,30 @@ void transpose_quads(int64_t rows, int64_t cols, const T* src, int64_t lds, T* d
 /// shuffle stages (64 shuffles per 256 elements, where the 4 x 4 blocks take 128 and four times the
 /// loads and stores).
 inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  typedef float VFu __attribute__((vector_size(64), aligned(4), may_alias));
-  VF r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = *reinterpret_cast<const VFu*>(src + i * lds);
-  const VI lo{0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29}, hi = lo + 2;
-  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved (unpcklps, unpckhps)
-    t[i] = __builtin_shuffle(r[i], r[i + 1], lo);
-    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], hi);
+  constexpr __mmask16 kAll = 0xffff;  // (the unmasked intrinsics of GCC 12 trip -Wuninitialized)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved
+    t[i] = _mm512_maskz_unpacklo_ps(kAll, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_ps(kAll, r[i], r[i + 1]);
   }
-  const VI s0{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, s1 = s0 + 2;
-  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks transposed inside each 128-bit lane (shufps)
-    r[i] = __builtin_shuffle(t[i], t[i + 2], s0);
-    r[i + 1] = __builtin_shuffle(t[i], t[i + 2], s1);
-    r[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], s0);
-    r[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], s1);
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks transposed inside each 128-bit lane
+    r[i] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_maskz_shuffle_ps(kAll, t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_maskz_shuffle_ps(kAll, t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
   }
-  const VI q0{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, q1 = q0 + 4;
-  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes, in two stages (shuff32x4)
-    t[i] = __builtin_shuffle(r[i], r[i + 4], q0);
-    t[i + 4] = __builtin_shuffle(r[i], r[i + 4], q1);
-    t[i + 8] = __builtin_shuffle(r[i + 8], r[i + 12], q0);
-    t[i + 12] = __builtin_shuffle(r[i + 8], r[i + 12], q1);
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes, in two stages
+    t[i] = _mm512_maskz_shuffle_f32x4(kAll, r[i], r[i + 4], _MM_SHUFFLE(2, 0, 2, 0));
+    t[i + 4] = _mm512_maskz_shuffle_f32x4(kAll, r[i], r[i + 4], _MM_SHUFFLE(3, 1, 3, 1));
+    t[i + 8] = _mm512_maskz_shuffle_f32x4(kAll, r[i + 8], r[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    t[i + 12] = _mm512_maskz_shuffle_f32x4(kAll, r[i + 8], r[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
   }
   for (int i = 0; i < 8; ++i) {
-    r[i] = __builtin_shuffle(t[i], t[i + 8], q0);
-    r[i + 8] = __builtin_shuffle(t[i], t[i + 8], q1);
+    r[i] = _mm512_maskz_shuffle_f32x4(kAll, t[i], t[i + 8], _MM_SHUFFLE(2, 0, 2, 0));
+    r[i + 8] = _mm512_maskz_shuffle_f32x4(kAll, t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
   }
-  for (int i = 0; i < 16; ++i) *reinterpret_cast<VFu*>(dst + i * ldd) = r[i];
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
 }
 #endif
 

@@ -9,15 +9,16 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-// ---------------------------------------------------------------------------------------------
 // Vector exp / log for float (Cephes-style range reduction + minimax polynomials, ~1 ulp).
 
-inline VF exp_v(VF x) {
-  const VF xc = x < vsplat(-87.0f) ? vsplat(-87.0f) : (x > vsplat(88.0f) ? vsplat(88.0f) : x);
+/// e^x for float lanes (0 below -87, clamped at 88).
+inline VF exp_v(const VF& x) {
+  const VF lo = vsplat(-87.0f), hi = vsplat(88.0f);
+  const VF xc = sel(x < lo, lo, sel(x > hi, hi, x));
   const VF magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
   const VF z = xc * 1.44269504088896341f + magic;
   const VF n = z - magic;
-  const VI ni = (VI)z - (VI)magic;
+  const VI ni = bitcast<VI>(z) - bitcast<VI>(magic);
   VF r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   VF p = vsplat(1.9875691500e-4f);
@@ -27,9 +28,22 @@ inline VF exp_v(VF x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   VF y = p * r * r + r + 1.0f;
-  y = y * (VF)((ni + 127) << 23);
-  return x < vsplat(-87.0f) ? vsplat(0.0f) : y;
+  y = y * bitcast<VF>(shl<23>(ni + 127));
+  return sel(x < lo, vsplat(0.0f), y);
 }
+
+#if defined(DGPS_CPU_REG_AVX512)
+// AVX-512 operations xsimd lacks (the maskz forms: the unmasked intrinsics of GCC 12 trip
+// -Wmaybe-uninitialized).
+/// The mantissa of x scaled into [1, 2) (vgetmantps).
+inline VF mantissa_1_2(const VF& x) {
+  return _mm512_maskz_getmant_ps(__mmask16(0xffff), x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+}
+/// floor(log2 |x|) as a float (vgetexpps).
+inline VF exponent_of(const VF& x) { return _mm512_maskz_getexp_ps(__mmask16(0xffff), x); }
+/// table[j & 15] per lane, the 16-entry table held in a register (vpermps).
+inline VF lookup16(const VI& j, const VF& table) { return _mm512_maskz_permutexvar_ps(__mmask16(0xffff), j, table); }
+#endif
 
 /// Natural log for x >= FLT_MIN (normal, positive) of N vectors, stage by stage across the N so that
 /// their dependency chains interleave (the squash's log is on a latency-bound chain).
@@ -41,7 +55,7 @@ inline VF exp_v(VF x) {
 /// form (dependency depth 4 instead of Horner's 9), about 1 ulp.
 template <int N>
 inline void log_vn(const VF* x, VF* out) {
-#if defined(__AVX512F__)
+#if defined(DGPS_CPU_REG_AVX512)
   // 1 / c_j rounded to float, and log c_j = -log of that float (so that y below is m / c_j - 1 exactly
   // up to one rounding).
   alignas(64) static constexpr float kInvC[16] = {
@@ -54,16 +68,12 @@ inline void log_vn(const VF* x, VF* out) {
       0.24783620238304138f, 0.2954642176628113f,  0.34092655777931213f, 0.3844117224216461f,
       0.42608442902565f,    0.4660896956920624f,  0.5045560002326965f,  0.541597306728363f,
       0.5773153305053711f,  0.6118015646934509f,  0.6451380252838135f,  0.6773987412452698f};
-  // (The maskz forms: the unmasked intrinsics of GCC 12 trip -Wmaybe-uninitialized.)
-  constexpr __mmask16 all = 0xffff;
-  const __m512 inv_c = (__m512)vload(kInvC), log_c = (__m512)vload(kLogC);
+  const VF inv_c = vload(kInvC), log_c = vload(kLogC);
   VF y[N], t[N];
   for (int n = 0; n < N; ++n) {
-    const __m512 xv = (__m512)x[n];
-    const __m512i j = (__m512i)((VI)x[n] >> 19);  // x > 0; vpermps reads the index's low 4 bits
-    const VF m = (VF)_mm512_maskz_getmant_ps(all, xv, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
-    y[n] = m * (VF)_mm512_maskz_permutexvar_ps(all, j, inv_c) - 1.0f;
-    t[n] = (VF)_mm512_maskz_getexp_ps(all, xv) * 0.693147180559945309f + (VF)_mm512_maskz_permutexvar_ps(all, j, log_c);
+    const VI j = shr<19>(bitcast<VI>(x[n]));  // x > 0; the lookup reads the index's low 4 bits
+    y[n] = mantissa_1_2(x[n]) * lookup16(j, inv_c) - 1.0f;
+    t[n] = exponent_of(x[n]) * 0.693147180559945309f + lookup16(j, log_c);
   }
   for (int n = 0; n < N; ++n) {
     VF q = y[n] * 0.2f - 0.25f;
@@ -75,13 +85,13 @@ inline void log_vn(const VF* x, VF* out) {
 #else
   VF m[N], ef[N], z[N], y[N];
   for (int n = 0; n < N; ++n) {  // x = 2^e m, m in [sqrt(1/2), sqrt(2))
-    const VI bits = (VI)x[n];
-    VI e = ((bits >> 23) & 0xff) - 126;
-    const VF mm = (VF)((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
-    const VI small = mm < vsplat(0.707106781186547524f);
-    e = e + small;  // small is -1 where true
-    m[n] = small ? mm + mm - 1.0f : mm - 1.0f;
-    ef[n] = __builtin_convertvector(e, VF);
+    const VI bits = bitcast<VI>(x[n]);
+    VI e = (shr<23>(bits) & 0xff) - 126;
+    const VF mm = bitcast<VF>((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
+    const auto small = mm < vsplat(0.707106781186547524f);
+    e = sel(int_mask(small), e - 1, e);
+    m[n] = sel(small, mm + mm - 1.0f, mm - 1.0f);
+    ef[n] = to_float(e);
   }
   for (int n = 0; n < N; ++n) z[n] = m[n] * m[n];
   for (int n = 0; n < N; ++n) {
@@ -102,7 +112,7 @@ inline void log_vn(const VF* x, VF* out) {
 }
 
 /// Natural log for x >= FLT_MIN (normal, positive).
-inline VF log_v(VF x) {
+inline VF log_v(const VF& x) {
   VF y;
   log_vn<1>(&x, &y);
   return y;
@@ -134,7 +144,7 @@ inline void exp_small_vn(const VF* u, VF* out) {
     out[n] = lo[n] + (p67 * v2 + p45) * v4 + p89 * (v4 * v4);
   }
 }
-inline VF exp_small_v(VF u) {
+inline VF exp_small_v(const VF& u) {
   VF y;
   exp_small_vn<1>(&u, &y);
   return y;
