@@ -170,7 +170,9 @@ void check_gva(const char* label, const dgps::ModelSpec& spec, uint64_t seed) {
   const int64_t ps = is_exact(spec) ? K * K : K;
   const std::pair<const char*, int64_t> keyed[] = {{"dq", K},      {"dk", K},      {"dg_p", 1},
                                                    {"dbeta_p", 1}, {"dcenter", 1}, {"da0", ps}};
-  for (const auto& [dn, per] : keyed) {
+  for (const auto& kv : keyed) {
+    const auto& dn = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& per = kv.second;
     if (!g.count(dn)) continue;
     const auto summed = group_sum(gr.at(dn), H, r, per);
     INFO(dn << " err " << rel_err(g.at(dn), summed));

@@ -40,7 +40,9 @@ TEST_CASE("cpu backward: every covered conformance case, chunk 16 and 64, every 
         const Arrays f = run_backward<float>(c, o);
         const Arrays d = run_backward<double>(c, o);
         int checked = 0;
-        for (const auto& [n, v] : f) {
+        for (const auto& kv : f) {
+          const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+          const auto& v = kv.second;
           if (!c.has(n)) continue;
           ++checked;
           const double ef = rel_err(v, c.arr.at(n), c.denom.at(n)), ed = rel_err(d.at(n), c.arr.at(n), c.denom.at(n));

@@ -134,7 +134,9 @@ TEST_CASE("cpu chunkwise: strong decay g = -50 and zero keys stay finite and exa
 }
 
 TEST_CASE("cpu decode kernel: every model, several steps of 1-3 tokens, slots, equals the reference forward") {
-  for (const auto& [name, spec] : dgps::kNamedModels) {
+  for (const auto& kv : dgps::kNamedModels) {
+    const auto& name = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& spec = kv.second;
     for (const char* isa : {"generic", "avx512"}) {
       IsaCap cap(isa);
       // V = 152: two whole column blocks of the decode sweep and a partial one (the last write of a

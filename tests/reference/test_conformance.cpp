@@ -72,7 +72,9 @@ void check_all(const char* label, dgps::Backend backend, bool f32, double tol, i
     const Case c = load_case(name);
     const Result r =
         f32 ? run_case<float>(c, backend, threads, algorithm) : run_case<double>(c, backend, threads, algorithm);
-    for (const auto& [n, e] : r.err) {
+    for (const auto& kv : r.err) {
+      const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+      const auto& e = kv.second;
       INFO(label << " case " << name << " tensor " << n << " err " << e);
       CHECK(e < tol);
     }

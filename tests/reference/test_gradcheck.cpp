@@ -146,7 +146,9 @@ TEST_CASE("gradcheck: exact preconditioner without a0 uses P0 = I / lambda, also
     CHECK(rel_err(fc.at(n), fe.at(n)) < 1e-14);
   }
   const Arrays gc = run_backward<double, dgps::MesaLayer>(c, opt), ge = run_backward<double, dgps::MesaLayer>(e, opt);
-  for (const auto& [n, v] : gc) {
+  for (const auto& kv : gc) {
+    const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& v = kv.second;
     INFO(n << " err " << rel_err(v, ge.at(n)));
     CHECK(rel_err(v, ge.at(n)) < 1e-13);
   }

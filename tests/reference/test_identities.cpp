@@ -86,7 +86,9 @@ void check_reduction(const char* label, uint64_t seed) {
     CHECK(fp.at(n) == fi.at(n));  // bitwise: M = exp(-log(1) s) = 1 exactly
   }
   const Arrays gp = run_backward<double, P>(cp, opt), gi = run_backward<double, I>(ci, opt);
-  for (const auto& [n, v] : gi) {
+  for (const auto& kv : gi) {
+    const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& v = kv.second;
     INFO(label << " " << n << " rel err " << rel_err(gp.at(n), v));
     CHECK(gp.at(n) == v);
   }
@@ -245,7 +247,9 @@ TEST_CASE("edge inputs: g = -50, g = 0, zero keys, zero-length sequences: finite
   };
   uint64_t seed = 300;
   for (const auto& var : variants)
-    for (const auto& [name, spec] : dgps::kNamedModels) {
+    for (const auto& kv : dgps::kNamedModels) {
+      const auto& name = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+      const auto& spec = kv.second;
       Gen gen;
       gen.g_lo = gen.g_hi = var.g;
       // Exact preconditioners: g_p = -50 makes the Gram matrix singular (not a valid input there).
@@ -258,12 +262,16 @@ TEST_CASE("edge inputs: g = -50, g = 0, zero keys, zero-length sequences: finite
       ref.chunk_size = cpu.chunk_size = 4;
       const Arrays fr = run_forward<double>(c, ref), fc = run_forward<float>(c, cpu);
       const Arrays gr = run_backward<double>(c, ref), gc = run_backward<float>(c, cpu);
-      for (const auto& [n, v] : fr) {
+      for (const auto& kv : fr) {
+        const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+        const auto& v = kv.second;
         INFO(var.name << " " << name << " " << n << " err " << rel_err(fc.at(n), v));
         CHECK(all_finite(v));
         CHECK(rel_err(fc.at(n), v) < 1e-4);
       }
-      for (const auto& [n, v] : gr) {
+      for (const auto& kv : gr) {
+        const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+        const auto& v = kv.second;
         INFO(var.name << " " << name << " " << n << " err " << rel_err(gc.at(n), v));
         CHECK(all_finite(v));
         CHECK(rel_err(gc.at(n), v) < 1e-3);

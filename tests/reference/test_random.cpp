@@ -37,14 +37,18 @@ Gen ranges_for(const dgps::ModelSpec& spec, Gen gen) {
 void compare(const std::string& label, const Case& c, bool grads) {
   dgps::Options ref = on(dgps::Backend::reference), cpu = on(dgps::Backend::cpu, 0);
   const Arrays fr = run_forward<double>(c, ref), fc = run_forward<float>(c, cpu);
-  for (const auto& [n, v] : fr) {
+  for (const auto& kv : fr) {
+    const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& v = kv.second;
     INFO(label << " " << n << ": err " << rel_err(fc.at(n), v) << " (max|ref| " << max_abs(v) << ")");
     CHECK(max_abs(v) > 0);
     CHECK(rel_err(fc.at(n), v) < kTolForward);
   }
   if (!grads) return;
   const Arrays gr = run_backward<double>(c, ref), gc = run_backward<float>(c, cpu);
-  for (const auto& [n, v] : gr) {
+  for (const auto& kv : gr) {
+    const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+    const auto& v = kv.second;
     INFO(label << " " << n << ": err " << rel_err(gc.at(n), v) << " (max|ref| " << max_abs(v) << ")");
     CHECK(rel_err(gc.at(n), v) < kTolGrad);
   }
@@ -236,7 +240,9 @@ TEST_CASE("random: all 60 policy combinations vs an independent SPEC §2 impleme
             cpu.backend = dgps::Backend::cpu;
             const Arrays want = spec_forward(c, base);
             const Arrays fr = run_forward<double>(c, ref), fc = run_forward<float>(c, cpu);
-            for (const auto& [n, v] : want) {
+            for (const auto& kv : want) {
+              const auto& n = kv.first;  // (not a structured binding: INFO captures it, Clang 14 cannot)
+              const auto& v = kv.second;
               INFO(dgps::to_string(spec) << " x = " << base.x << " " << n << ": reference err " << rel_err(fr.at(n), v)
                                          << ", cpu err " << rel_err(fc.at(n), v));
               CHECK(max_abs(v) > 0);

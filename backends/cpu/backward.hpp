@@ -1,7 +1,6 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
-/// Included by kernel_impl.hpp after its primitives (gemm, unit_solve, exp_v, log_v, transpose, Setup,
-/// Scratch), into the same per-ISA anonymous namespace. One task per (sequence n, key head h):
+/// Included by kernel_impl.hpp into the per-ISA anonymous namespace. One task per (sequence n, key head h):
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
 ///     read queries / write keys (as the forward kernel does);
 ///  2. per value head of the group, a forward sweep over chunks stores each chunk's entry state
@@ -30,102 +29,27 @@
 /// Reverse: dX = (I + Akk)^{-T} (Aq^T dO + (KW ⊙ Ed) dS_out), dAq = dO R^T, dAkk = -dX R^T,
 ///   dS_in = Diag(e^{gamma_C}) dS_out + (Q ⊙ E)^T dO - (beta K ⊙ E)^T dX; every exponential factor is
 ///   a difference of gates (sub-blocks of kSub rows for diagonal decay), so g = -50 stays finite.
+#pragma once
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+#include "backward_steps.hpp"
+#include "convert.hpp"
+#include "gemm.hpp"
+#include "intra.hpp"
+#include "scratch.hpp"
+#include "setup.hpp"
+#include "simd.hpp"
+#include "squash_simd.hpp"
+#include "transpose.hpp"
+#include "trickle.hpp"
+#include "vmath.hpp"
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
-
-/// sum_i a[i] b[i] with vector accumulators (the compiler may not reorder a scalar float sum).
-template <class T>
-inline T dotv(const T* a, const T* b, int64_t n) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::L;
-  V acc0{}, acc1{};
-  int64_t i = 0;
-  for (; i + 2 * L <= n; i += 2 * L) {
-    acc0 += vload(a + i) * vload(b + i);
-    acc1 += vload(a + i + L) * vload(b + i + L);
-  }
-  for (; i + L <= n; i += L) acc0 += vload(a + i) * vload(b + i);
-  acc0 += acc1;
-  T sum = 0;
-  for (int l = 0; l < L; ++l) sum += acc0[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-/// dst[i] = src[i] for i < n: an inline vector loop for rows of a few hundred bytes (no library call
-/// per row).
-template <class T>
-inline void copy_row(T* dst, const T* src, int64_t n) {
-  constexpr int L = Vec<T>::L;
-  int64_t i = 0;
-  for (; i + L <= n; i += L) vstore(dst + i, vload(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
-}
-
-/// The squash of SPEC §2 and its derivative dM/dA (0 where A + eps <= 0, as in the reference).
-template <class T>
-inline T squash_grad1(T A, T center, T log_x, T eps, T* dmda) {
-  const T ae = A + eps;
-  if (!(ae > T(0))) {
-    *dmda = T(0);
-    return std::exp(log_x);
-  }
-  const T r = std::log(ae) - center;
-  const T den = T(1) + std::fabs(r);
-  const T m = std::exp(-log_x * (r / den));
-  *dmda = m * (-log_x) / (den * den) / ae;
-  return m;
-}
-
-/// M[i] = squash(A[i]) (SPEC §2) and D[i] = dM/dA there, M (-log x) / ((1 + |r|)^2 (A + eps)) with
-/// r = log(A + eps) - center, in one pass (one log per element); D = 0 where A + eps <= 0 (as the
-/// reference). n a multiple of the vector length for float.
-template <class T>
-void squash_slope(const T* A, T* M, T* D, int64_t n, T center, T log_x, T eps) {
-  int64_t i = 0;
-  if constexpr (sizeof(T) == 4) {
-    constexpr int L = Vec<float>::L, G = 8;  // G vectors at once, interleaved (as the forward)
-    for (; i + G * L <= n; i += G * L) {
-      VF a[G], m[G], id[G];
-      for (int u = 0; u < G; ++u) a[u] = vload(A + i + u * L);
-      if (!squash_vn<G>(a, m, center, log_x, eps, id)) break;  // the vector-by-vector loop takes over
-      for (int u = 0; u < G; ++u) {
-        vstore(M + i + u * L, m[u]);
-        vstore(D + i + u * L, m[u] * -log_x * (id[u] * id[u]) * recip_v(a[u] + eps));
-      }
-    }
-    for (; i < n; i += L) {
-      const VF ae = vload(A + i) + eps;
-      if (all_lanes(ae >= vsplat(1.17549435e-38f))) {
-        const VF r = log_v(ae) - center;
-        const VF den = 1.0f + (r < vsplat(0.0f) ? -r : r);
-        const VF iden = recip_v(den);  // the forward's squash_v rounding
-        const VF u = (-log_x * r) * iden;
-        const VF m = std::fabs(log_x) <= 0.75f ? exp_small_v(u) : exp_v(u);
-        vstore(M + i, m);
-        vstore(D + i, m * -log_x * (iden * iden) * recip_v(ae));
-      } else {
-        for (int l = 0; l < L; ++l) M[i + l] = squash_grad1(A[i + l], center, log_x, eps, D + i + l);
-      }
-    }
-  }
-  for (; i < n; ++i) M[i] = squash_grad1(A[i], center, log_x, eps, D + i);
-}
-
-/// Backward of the L2 norm and scale of SPEC §1 (y = mul * xhat, xhat = x * rstd) from the normalised
-/// row xhat and rstd: dx = mul * rstd * (dy - xhat (xhat . dy)); dx = mul * dy without the norm.
-template <class T>
-inline void norm_backward(const T* xhat, T rstd, int64_t K, bool norm, T mul, const T* dy, T* dx) {
-  if (!norm) {
-    for (int64_t i = 0; i < K; ++i) dx[i] = mul * dy[i];
-    return;
-  }
-  const T ydy = dotv(xhat, dy, K);
-  for (int64_t i = 0; i < K; ++i) dx[i] = mul * rstd * (dy[i] - xhat[i] * ydy);
-}
 
 /// Chunkwise backward of task n * ceil(H / group) + h0 / group (the steps in the file comment): the key
 /// heads [h0, h0 + nh) of sequence n; writes every requested gradient of the group and the dcenter term
@@ -154,8 +78,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   for (int64_t j = 0; j < nh; ++j) dcenter_out[j] = 0;
   // Training cache (KernelParams::saved) filled by the forward: each chunk's S_in, R and intra-chunk
   // matrices are read from it (one chunk at a time) instead of recomputed by a forward sweep.
-  const T* sv = p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block
-                                   : nullptr;
+  const T* sv =
+      p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block : nullptr;
   const bool cached = sv != nullptr;
   const int64_t nst = cached ? 1 : nch;  // chunks held by the per-chunk stores
   // With the cache and one value head per key head, the per-token arrays hold one chunk's rows (the
@@ -182,9 +106,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   T *E = nullptr, *Ed = nullptr, *eC = nullptr, *Kne = nullptr, *Qd = nullptr, *Kd = nullptr, *KWd = nullptr;
   T *KWdT = nullptr, *KWT = nullptr, *Bt = nullptr, *dOX = nullptr;
   T *dAB = nullptr, *dQi = nullptr, *dKi = nullptr, *dKWi = nullptr;
-  T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dKWdT = nullptr, *dST = nullptr, *ddq = nullptr,
-    *dgam = nullptr, *sumC = nullptr,
-    *dbet = nullptr;
+  T *dQd = nullptr, *dKdn = nullptr, *dKWd = nullptr, *dKWdT = nullptr, *dST = nullptr, *ddq = nullptr, *dgam = nullptr,
+    *sumC = nullptr, *dbet = nullptr;
   T *tmp = nullptr, *acc = nullptr;
   // Diagonal-decay sub-blocks.
   T *LQK = nullptr, *Fi = nullptr, *KWt = nullptr, *Fj = nullptr, *KWtT = nullptr, *dLQK = nullptr;
@@ -263,8 +186,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // Tokens [ta, tb), the statistics entering them being `a_in` (A0 for ta = 0); with ta > 0 also writes
   // a_in to row ta - 1 of At, which the reverse token pass reads.
   auto token_rows = [&](int64_t ta, int64_t tb, const T* a_in) {
-    if (s.diag_pre && ta > 0 && a_in != At + trow(ta - 1))
-      std::memcpy(At + trow(ta - 1), a_in, size_t(Kp) * sizeof(T));
+    if (s.diag_pre && ta > 0 && a_in != At + trow(ta - 1)) std::memcpy(At + trow(ta - 1), a_in, size_t(Kp) * sizeof(T));
     for (int64_t t = ta; t < tb; ++t) {
       const int64_t ti = t0 + t;
       if (t + 8 < tb) {
@@ -278,7 +200,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         const T a = std::exp(s.gp(b, ti, h)), bb = s.bp(b, ti, h);
         const T* prev = t > ta ? At + trow(t - 1) : a_in;
         const T* kn = Kn + trow(t);
-        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = a * prev[c] + bb * kn[c] * kn[c];
+        for (int64_t c = 0; c < Kp; ++c) At[trow(t) + c] = stats1(prev[c], a, bb, kn[c]);
       }
     }
     const int64_t o = trow(ta), n = (tb - ta) * Kp;
@@ -375,8 +297,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // diagonal) (SPEC §4).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
     if (!diag) {
-      intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm,
-                   Aq, tmp);
+      intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm, Aq,
+                   tmp);
       return;
     }
     std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
@@ -525,8 +447,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     for (int64_t i = 0; i < c; ++i)
       for (int64_t j = 0; j < Cp; j += L) {
         const V jv = iota + T(j), pv = vload(P + i * pld + j);
-        vstore(Aqs + i * Cp + j, jv <= vsplat(T(i)) ? pv : V{});
-        if (online) vstore(Bms + i * Cp + j, jv < vsplat(T(i)) ? vload(Bms + i * Cp + j) : V{});
+        vstore(Aqs + i * Cp + j, sel(jv <= vsplat(T(i)), pv, V{}));
+        if (online) vstore(Bms + i * Cp + j, sel(jv < vsplat(T(i)), vload(Bms + i * Cp + j), V{}));
       }
   };
 
@@ -631,33 +553,10 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     // The diagonal of Aq carries no gate (e^0): its gradient is kept apart in ddq so that the gate
     // gradient below only sums terms with a decay factor (no cancellation of O(1) terms at g << 0).
     // Masks in vector lanes (column index j against the row i).
-    const V iota = iota_v<T>();
-    for (int64_t i = 0; i < c; ++i) {
-      ddq[i] = dAq[i * Cp + i];
-      const V iv = vsplat(T(i));
-      for (int64_t j = 0; j < Cp; j += L)
-        vstore(dAq + i * Cp + j, iota + T(j) < iv ? vload(dAq + i * Cp + j) : V{});
-    }
+    split_diagonal(dAq, c, Cp, ddq);
     if (online) {
       gemm(c, Cp, Vd, dX, ldv, RTc, ldr, dB, Cp, false, Tri::c_lower, &tr);
-      for (int64_t i = 0; i < c; ++i) {
-        T* db = dB + i * Cp;
-        const T* bm = Bm + i * Cp;
-        const V iv = vsplat(T(i)), bt = vsplat(Bt[i]);
-        V a0{}, a1{};  // dbeta_i += sum_j dAkk_ij Bm_ij, two accumulators
-        for (int64_t j = 0; j < Cp; j += L) {
-          const V x = iota + T(j) < iv ? -vload(db + j) : V{};
-          if ((j / L) % 2)
-            a1 += x * vload(bm + j);
-          else
-            a0 += x * vload(bm + j);
-          vstore(db + j, x * bt);
-        }
-        a0 += a1;
-        T sum = 0;
-        for (int l = 0; l < L; ++l) sum += a0[l];
-        dbet[i] += sum;
-      }
+      dakk_rows(dB, Bm, Bt, c, Cp, dbet);
     }
     // Intra-chunk backward: dQi = d(Aq)/dQ, dKi = d(Bm)/dK, dKWi = d(Aq, Bm)/dKW (row layout).
     // Scalar decay and none: the products below write every row (dKi only online); diagonal: sums.
@@ -789,25 +688,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
       if (p.dg.data) {
         if (diag) {
-          // The running sums in registers, 8 vectors of channels at a time (same order per channel).
-          T* dg0 = mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs) * p.dg.stride[1] + hv * p.dg.stride[2];
-          const int64_t ts = p.dg.stride[1];
-          int64_t ch0 = 0;
-          while (ch0 + L <= K) {
-            const int nv = int(imin(8, (K - ch0) / L));
-            V run[8];
-            for (int u = 0; u < nv; ++u) run[u] = V{};
-            for (int64_t i = c - 1; i >= 0; --i)
-              for (int u = 0; u < nv; ++u) {
-                run[u] += vload(dgam + i * Kp + ch0 + u * L);
-                vstore(dg0 + i * ts + ch0 + u * L, run[u]);
-              }
-            ch0 += int64_t(nv) * L;
-          }
-          for (int64_t ch = ch0; ch < K; ++ch) {
-            T a = 0;
-            for (int64_t i = c - 1; i >= 0; --i) dg0[i * ts + ch] = a += dgam[i * Kp + ch];
-          }
+          suffix_sums(dgam, Kp, c, K,
+                      mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs) * p.dg.stride[1] + hv * p.dg.stride[2],
+                      p.dg.stride[1]);
         } else {
           T a = 0;
           for (int64_t i = c - 1; i >= 0; --i) {
@@ -819,8 +702,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     }
     if (s.gain && p.dbeta.data)
       for (int64_t i = 0; i < c; ++i)
-        mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] =
-            dbet[i];
+        mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] = dbet[i];
     // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
     // Qd and Kd are adjacent whole chunks, as dO and dX are; the decay applied by its row scales).
     if (online)
@@ -898,14 +780,6 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       T* da0 = mptr<T>(p.da0) + si * p.da0.stride[0] + (h0 + j) * p.da0.stride[1];
       for (int64_t c = 0; c < K; ++c) da0[c] = dAg[j * Kp + c];
     }
-}
-
-/// The exported entry (IsaKernels::backward_task): backward_task_t for the call's element type.
-void backward_task(const KernelParams& p, int64_t task, int64_t group, double* dcenter) {
-  if (p.dtype == DType::f64)
-    backward_task_t<double>(p, task, group, dcenter);
-  else
-    backward_task_t<float>(p, task, group, dcenter);
 }
 
 }  // namespace
