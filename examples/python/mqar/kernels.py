@@ -51,7 +51,7 @@ def torch_recurrence(model, q, k, v, beta, g=None, g_atk=None, beta_atk=None, ce
 def _dgps():
     import dgps_torch as D
 
-    pdn_compiled = "pdn" in D.compiled_models()
+    pdn_compiled = "pdn" in [m.strip() for m in str(D.compiled_models()).split(",")]
 
     def run(model, q, k, v, beta, g=None, g_atk=None, beta_atk=None, center=None):
         if model == "dn":

@@ -122,12 +122,12 @@ class GatedMLP(nn.Module):
 class MQARModel(nn.Module):
     """Token embedding, `layers` x (pre-norm mixer, pre-norm MLP), final norm, output head tied to the embedding."""
 
-    def __init__(self, model, vocab, d_model, heads, kernel, layers=2, mlp_expand=2, expand_v=1.0, seed=0):
+    def __init__(self, model, vocab, d_model, heads, kernel, layers=2, mlp_expand=2, expand_v=1.0, seed=0, embed_std=0.02):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # nn.Linear's default init draws from the global generator
         self.embed = nn.Embedding(vocab, d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.embed.weight, std=embed_std)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
             self.blocks.append(nn.ModuleList([RMSNorm(d_model), DeltaMixer(model, d_model, heads, kernel, expand_v,
