@@ -122,7 +122,8 @@ class GatedMLP(nn.Module):
 class MQARModel(nn.Module):
     """Token embedding, `layers` x (pre-norm mixer, pre-norm MLP), final norm, output head tied to the embedding."""
 
-    def __init__(self, model, vocab, d_model, heads, kernel, layers=2, mlp_expand=2, expand_v=1.0, seed=0, embed_std=0.02):
+    def __init__(self, model, vocab, d_model, heads, kernel, layers=2, mlp_expand=2, expand_v=1.0, seed=0,
+                 embed_std=0.02):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # nn.Linear's default init draws from the global generator

@@ -168,6 +168,7 @@ def main(argv=None):
     p.add_argument("--kv-pairs", type=int, default=8)
     p.add_argument("--json", help="write the results (with loss histories) to this file")
     cfg = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines appear when piped to a file
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = time.time()

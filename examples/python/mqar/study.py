@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import MODELS, get_kernel  # noqa: E402
-from mqar import _autocast, _sync, add_args, parse_lrs, sweep, train  # noqa: E402
+from mqar import _sync, add_args, parse_lrs, sweep, train  # noqa: E402
 
 LABEL = {"dn": "DN", "pdn": "PDN", "gdn": "GDN", "pgdn": "PGDN"}
 STYLE = {"dn": ("tab:blue", "--"), "pdn": ("tab:blue", "-"), "gdn": ("tab:red", "--"), "pgdn": ("tab:red", "-")}
