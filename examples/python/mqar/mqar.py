@@ -181,7 +181,7 @@ def main(argv=None):
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(results, f)
-    return 0 if best["final_acc"] > 0 else 1
+    return 1 if all(r["diverged"] for r in results) else 0
 
 
 if __name__ == "__main__":
