@@ -20,6 +20,7 @@ vcpkg_check_features(OUT_FEATURE_OPTIONS FEATURE_OPTIONS
     tools DGPS_BUILD_EXAMPLES
   INVERTED_FEATURES
     eigen CMAKE_DISABLE_FIND_PACKAGE_Eigen3
+    xsimd CMAKE_DISABLE_FIND_PACKAGE_xsimd
 )
 
 vcpkg_cmake_configure(
