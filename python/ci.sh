@@ -17,8 +17,9 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-rm -rf "$work/site"
 mkdir -p "$work"
+work="$(cd "$work" && pwd)"  # absolute: the tests run from inside it
+rm -rf "$work/site"
 export DGPS_TORCH_BUILD_DIR="$work/build" DGPS_TORCH_CUDA="${DGPS_TORCH_CUDA:-0}"
 "$py" -m pip install --no-build-isolation --no-deps --quiet --target "$work/site" "$here"
 echo "dgps_torch: built in $(($(date +%s) - start)) s"
