@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -53,24 +54,28 @@ struct TensorView {
     requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
   TensorView(const TensorView<U>& o) : data(o.data), rank(o.rank), size(o.size), stride(o.stride) {}
 
-  /// Sets rank, sizes and C-order strides (the data pointer is unchanged).
+  /// Sets rank, sizes and C-order strides (the data pointer is unchanged). A stride whose product overflows int64
+  /// saturates at INT64_MAX; validation refuses such a view (its size is checked separately).
   void set_contiguous(const int64_t* sizes, int r) {
     rank = r;
     int64_t st = 1;
     for (int d = r - 1; d >= 0; --d) {
       size[d] = sizes[d];
       stride[d] = st;
-      st *= sizes[d];
+      if (__builtin_mul_overflow(st, sizes[d], &st)) st = std::numeric_limits<int64_t>::max();
     }
   }
 
   /// True when the view refers to data.
   bool present() const { return data != nullptr; }
 
-  /// Number of elements.
+  /// Number of elements (INT64_MAX when the product overflows int64 and no size is 0).
   int64_t numel() const {
+    for (int d = 0; d < rank; ++d)
+      if (size[d] == 0) return 0;
     int64_t n = 1;
-    for (int d = 0; d < rank; ++d) n *= size[d];
+    for (int d = 0; d < rank; ++d)
+      if (__builtin_mul_overflow(n, size[d], &n)) return std::numeric_limits<int64_t>::max();
     return n;
   }
 
@@ -79,7 +84,7 @@ struct TensorView {
     int64_t st = 1;
     for (int d = rank - 1; d >= 0; --d) {
       if (size[d] != 1 && stride[d] != st) return false;
-      st *= size[d];
+      if (__builtin_mul_overflow(st, size[d], &st)) st = std::numeric_limits<int64_t>::max();
     }
     return true;
   }
