@@ -5,7 +5,7 @@
 /// [P, HV, K, V] (P >= 4B, far larger than the caches) with (a) dense states: a contiguous window of B states
 /// passed as [B, HV, K, V] without slots, and (b) B random distinct slots; both are redrawn every step, so
 /// neither finds the states that the previous step left in cache (a hot dense state would only measure the
-/// cache). Prints the ratio pool / dense. Median of `--reps` runs of `--steps` steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S]
+/// cache); dense and pooled steps alternate. Prints the ratio pool / dense. Median of `--reps` runs of `--steps` steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S]
 /// [--pool P] [--heads H]; K = V = 128, HV = H.
 #include <algorithm>
 #include <chrono>
@@ -45,7 +45,7 @@ struct Buf {
 };
 
 template <class R>
-double median_step_us(const Config& c, int64_t B, bool pooled, uint64_t seed) {
+std::pair<double, double> median_step_us(const Config& c, int64_t B, uint64_t seed) {
   constexpr bool precond = !std::is_same_v<typename R::precond_type, dgps::precond::Identity>;
   const int64_t H = c.heads, K = 128, V = 128, P = std::max(c.pool, 4 * B);
   const dgps::Shape s{.batch = B, .time = 1, .heads = H, .v_heads = H, .key_dim = K, .value_dim = V};
@@ -69,10 +69,11 @@ double median_step_us(const Config& c, int64_t B, bool pooled, uint64_t seed) {
   dgps::Options opt;
   opt.backend = dgps::Backend::cpu;
   opt.threads = c.threads;
-  std::vector<double> times;
+  std::vector<double> times[2];
   for (int r = 0; r < c.reps + 1; ++r) {
-    double total = 0;
-    for (int st = 0; st < c.steps; ++st) {
+    double total[2] = {0, 0};
+    for (int st = 0; st < 2 * c.steps; ++st) {
+      const bool pooled = st % 2 == 1;  // dense and pooled steps alternate: drifts of a shared machine cancel
       dgps::DecodeState<float> ds;
       ds.h = dgps::view(h.p, {P, H, K, V});
       if constexpr (precond) ds.a = dgps::view(a.p, {P, H, K});
@@ -87,18 +88,19 @@ double median_step_us(const Config& c, int64_t B, bool pooled, uint64_t seed) {
       }
       const auto t0 = Clock::now();
       dgps::decode<R>(ds, in, o.data(), opt);
-      total += std::chrono::duration<double>(Clock::now() - t0).count();
+      total[pooled] += std::chrono::duration<double>(Clock::now() - t0).count();
     }
-    if (r > 0) times.push_back(total / c.steps * 1e6);  // the first round warms up
+    if (r > 0)  // the first round warms up
+      for (int i = 0; i < 2; ++i) times[i].push_back(total[i] / c.steps * 1e6);
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  for (auto& t : times) std::sort(t.begin(), t.end());
+  return {times[0][times[0].size() / 2], times[1][times[1].size() / 2]};
 }
 
 template <class R>
 void run(const char* name, const Config& c) {
   for (int64_t B : {1, 8, 32}) {
-    const double dense = median_step_us<R>(c, B, false, 1), pool = median_step_us<R>(c, B, true, 2);
+    const auto [dense, pool] = median_step_us<R>(c, B, 1);
     std::printf("%-5s B=%-3lld P=%-4lld dense %9.1f us/step  pool %9.1f us/step  pool/dense %.3f  (%.0f tokens/s)\n",
                 name, static_cast<long long>(B), static_cast<long long>(std::max(c.pool, 4 * B)), dense, pool,
                 pool / dense, double(B) / (pool * 1e-6));
