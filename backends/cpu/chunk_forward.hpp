@@ -40,7 +40,14 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   const int64_t n = pair / ng, hv0 = pair % ng * group, nh = imin(group, p.HV - hv0);
   const int64_t vw = round_up((p.V + vsplit - 1) / vsplit, L);
   const int64_t v0 = imin(p.V, vb * vw), v1 = imin(p.V, v0 + vw);
-  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
+  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n);
+  const int64_t ri = read_index(p, n), wi = write_index(p, n);
+  if (is_padded(p, n)) {  // a padding sequence (decode through a pool): zero outputs, the pool untouched
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t hv = hv0; hv < hv0 + nh; ++hv)
+        std::memset(static_cast<void*>(s.orow(b, t0 + t, hv) + v0), 0, size_t(v1 - v0) * sizeof(In));
+    return;
+  }
   const int64_t K = s.K, Vd = v1 - v0, Kp = s.Kp, Vp = round_up(Vd, L), ldv = padded_ld<T>(Vp);
   // A sequence shorter than the chunk is one chunk of its own length (smaller scratch).
   const int64_t C = imin(p.chunk < 1 ? 1 : p.chunk, len < 1 ? 1 : len);
@@ -83,13 +90,13 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
 
   for (int64_t j = 0; j < nh; ++j) {
     const int64_t hv = hv0 + j, h = hv / s.r;
-    if (p.h0.data) {
-      const T* h0 = cptr<T>(p.h0) + si * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
+    if (p.h0.data && ri >= 0) {
+      const T* h0 = cptr<T>(p.h0) + ri * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
       for (int64_t c = 0; c < K; ++c)
         std::memcpy(Sg + j * nS + c * ldv, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
     }
-    if (s.diag_pre && p.a0.data) {
-      const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+    if (s.diag_pre && p.a0.data && ri >= 0) {
+      const T* a0 = cptr<T>(p.a0) + ri * p.a0.stride[0] + h * p.a0.stride[1];
       for (int64_t c = 0; c < K; ++c) Ag[j * nA + c] = a0[c];
     }
   }
@@ -368,13 +375,13 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   if (saving) stream_fence();
   for (int64_t j = 0; j < nh; ++j) {
     const int64_t hv = hv0 + j, h = hv / s.r;
-    if (p.hT.data) {
-      T* hT = s.state(p.hT, si, hv) + v0;
+    if (p.hT.data && wi >= 0) {
+      T* hT = s.state(p.hT, wi, hv) + v0;
       for (int64_t c = 0; c < K; ++c)
         std::memcpy(hT + c * p.hT.stride[2], Sg + j * nS + c * ldv, size_t(Vd) * sizeof(T));
     }
-    if (s.diag_pre && p.aT.data && hv % s.r == 0 && vb == 0) {
-      T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
+    if (s.diag_pre && p.aT.data && wi >= 0 && hv % s.r == 0 && vb == 0) {
+      T* aT = mptr<T>(p.aT) + wi * p.aT.stride[0] + h * p.aT.stride[1];
       for (int64_t c = 0; c < K; ++c) aT[c] = Ag[j * nA + c];
     }
   }

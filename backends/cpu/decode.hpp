@@ -152,12 +152,34 @@ void write2(T* S, int64_t ds, int64_t K, int64_t e0, int64_t e1, const T* f, con
 // token t, and the last write of a column block reads the next block, so T tokens cost about T sweeps
 // over the state (plus one block). o_t = S̄^T qr + b (kw . qr) u.
 
+/// Writes the preconditioner state `Pst` of key head h (diagonal K values, or the exact K x K) to slot `slot`.
+template <class T, class In>
+void store_precond(const KernelParams& p, const Setup<T, In>& s, int64_t slot, int64_t h, const T* Pst, bool exact) {
+  T* a = mptr<T>(p.aT) + slot * p.aT.stride[0] + h * p.aT.stride[1];
+  if (!exact) {
+    for (int64_t c = 0; c < s.K; ++c) a[c] = Pst[c];
+    return;
+  }
+  for (int64_t i = 0; i < s.K; ++i)
+    for (int64_t j = 0; j < s.K; ++j) a[i * p.aT.stride[2] + j] = Pst[i * s.K + j];
+}
+
 template <class T, class In = T>
 void decode_task_t(const KernelParams& p, int64_t task) {
   const Setup<T, In> s(p);
   const int64_t n = task / p.H, h = task % p.H;
-  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n), si = state_index(p, n);
+  const int64_t b = seq_batch(p, n), t0 = seq_begin(p, n), len = seq_len(p, n);
+  const int64_t ri = read_index(p, n), wi = write_index(p, n);
   const int64_t K = s.K, Vd = s.V, Kp = s.Kp, Vp = s.Vp, r = s.r;
+  if (is_padded(p, n)) {  // a padding sequence: zero outputs, the pool untouched
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t j = 0; j < r; ++j)
+        std::memset(static_cast<void*>(s.orow(b, t0 + t, h * r + j)), 0, size_t(Vd) * sizeof(In));
+    return;
+  }
+  // Speculative verification (token_slots): the state runs in scratch and is copied out after every
+  // token; otherwise it is updated in place in its output slot.
+  const int64_t* tslots = p.token_slots ? p.token_slots + n * p.token_ld : nullptr;
   const bool exact = p.spec.precond == precond::Kind::exact_atk || p.spec.precond == precond::Kind::exact_atq;
   const bool key_target = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::exact_atk;
   const bool query_target = p.spec.precond == precond::Kind::diagonal_atq || p.spec.precond == precond::Kind::exact_atq;
@@ -168,7 +190,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   // bf16/f16: the value rows converted to float (Tn * r rows) and one output row staged for rounding.
   constexpr bool half = !std::is_same_v<In, T>;
   const int64_t nvc = half ? Tn * r * Vp + Vp : 0;
-  SmallScratch<T> mem(PS + 4 * Kp + Tn * per_tok + Tn * r * per_head + 3 * Vp + Tn * r + Tn + nvc);
+  const int64_t nsc = tslots ? K * Vp : 0;
+  SmallScratch<T> mem(PS + 4 * Kp + Tn * per_tok + Tn * r * per_head + 3 * Vp + Tn * r + Tn + nvc + nsc);
   T* Pst = mem.base;
   T* work = Pst + PS;
   T* tokv = work + 4 * Kp;
@@ -180,18 +203,20 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   T* kqv = bet + Tn * r;  // kw . qr of each token
   T* vcv = kqv + Tn;      // half inputs: v rows as float, then the staged o row
   T* ocv = vcv + Tn * r * Vp;
+  T* Ssc = vcv + nvc;  // verification: the running state, K rows of Vp
 
   // Preconditioner state (diagonal A or inverse Gram P), from a0 or the default (A = 0, P = I / lambda).
   if (s.diag_pre) {
-    if (p.a0.data) {
-      const T* a0 = cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1];
+    if (p.a0.data && ri >= 0) {
+      const T* a0 = cptr<T>(p.a0) + ri * p.a0.stride[0] + h * p.a0.stride[1];
       for (int64_t c = 0; c < K; ++c) Pst[c] = a0[c];
     }
   } else if (exact) {
     for (int64_t i = 0; i < K; ++i)
       for (int64_t j = 0; j < K; ++j)
-        Pst[i * K + j] = p.a0.data ? cptr<T>(p.a0)[si * p.a0.stride[0] + h * p.a0.stride[1] + i * p.a0.stride[2] + j]
-                                   : (i == j ? T(1) / T(p.lambda) : T(0));
+        Pst[i * K + j] = p.a0.data && ri >= 0
+                             ? cptr<T>(p.a0)[ri * p.a0.stride[0] + h * p.a0.stride[1] + i * p.a0.stride[2] + j]
+                             : (i == j ? T(1) / T(p.lambda) : T(0));
   }
   const T ctr = s.diag_pre ? s.center(h) : T(0);
 
@@ -247,6 +272,7 @@ void decode_task_t(const KernelParams& p, int64_t task) {
         dst[i] = acc;
       }
     }
+    if (tslots && tslots[t] >= 0 && (s.diag_pre || exact) && p.aT.data) store_precond(p, s, tslots[t], h, Pst, exact);
     kqv[t] = dot_padded(kw, qr, Kp);
     for (int64_t j = 0; j < r; ++j) {
       const int64_t hvj = h * r + j;
@@ -271,10 +297,12 @@ void decode_task_t(const KernelParams& p, int64_t task) {
 
   for (int64_t j = 0; j < r; ++j) {
     const int64_t hvj = h * r + j;
-    const T* src = s.state(p.h0, si, hvj);
-    T* S = s.state(p.hT, si, hvj);
-    const int64_t ss = p.h0.stride[2], ds = p.hT.stride[2];
-    if (src != S)
+    const T* src = ri >= 0 ? s.state(p.h0, ri, hvj) : nullptr;
+    T* S = tslots ? Ssc : s.state(p.hT, wi, hvj);
+    const int64_t ss = p.h0.stride[2], ds = tslots ? Vp : p.hT.stride[2];
+    if (!src)
+      for (int64_t c = 0; c < K; ++c) std::memset(static_cast<void*>(S + c * ds), 0, size_t(Vd) * sizeof(T));
+    else if (src != S)
       for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * ds, src + c * ss, size_t(Vd) * sizeof(T));
     if (Tn == 0) continue;
     // Value columns are independent (SPEC §2): run all tokens on one block of kDecodeCols columns
@@ -317,19 +345,15 @@ void decode_task_t(const KernelParams& p, int64_t task) {
         } else {
           write2(S, ds, K, e0, e1, fac, kw, u, nf ? nf + Kp : nullptr, nf ? nf + 2 * Kp : nullptr, y1, y2);
         }
+        if (tslots && tslots[t] >= 0) {  // the state after token t, columns [e0, e1)
+          T* dst = s.state(p.hT, tslots[t], hvj);
+          for (int64_t c = 0; c < K; ++c)
+            std::memcpy(dst + c * p.hT.stride[2] + e0, S + c * ds + e0, size_t(e1 - e0) * sizeof(T));
+        }
       }
     }
   }
-  if ((s.diag_pre || exact) && p.aT.data) {
-    if (s.diag_pre) {
-      T* aT = mptr<T>(p.aT) + si * p.aT.stride[0] + h * p.aT.stride[1];
-      for (int64_t c = 0; c < K; ++c) aT[c] = Pst[c];
-    } else {
-      for (int64_t i = 0; i < K; ++i)
-        for (int64_t jj = 0; jj < K; ++jj)
-          mptr<T>(p.aT)[si * p.aT.stride[0] + h * p.aT.stride[1] + i * p.aT.stride[2] + jj] = Pst[i * K + jj];
-    }
-  }
+  if ((s.diag_pre || exact) && p.aT.data && !tslots && wi >= 0) store_precond(p, s, wi, h, Pst, exact);
 }
 
 }  // namespace

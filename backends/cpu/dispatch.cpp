@@ -70,19 +70,26 @@ const char* impl_name(const char* op, const char* isa) {
   return names[o][i].c_str();
 }
 
-/// Copies the diagonal statistics a0 [N, H, K] into `buf` and points `p.a0` at it, so that tasks
-/// writing aT never race with tasks still reading a0 when the caller passed the same memory.
+/// Copies the diagonal statistics the sequences read (a0 [N, H, K], or through a state pool the
+/// states that `in_slots` names, at their own indices) into `buf` and points `p.a0` at it, so that
+/// tasks writing aT never race with tasks still reading a0 when the caller passed the same memory.
 template <class T>
-void snapshot_a0(KernelParams& p, int64_t pool, std::vector<unsigned char>& buf) {
+void snapshot_a0(KernelParams& p, std::vector<unsigned char>& buf) {
   const bool diag = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
   if (!diag || !p.a0.data || !p.aT.data) return;
-  buf.resize(size_t(pool * p.H * p.K) * sizeof(T));
+  int64_t rows = p.in_slots ? 0 : p.N;
+  if (p.in_slots)
+    for (int64_t n = 0; n < p.N; ++n) rows = std::max(rows, p.in_slots[n] + 1);
+  buf.resize(size_t(rows * p.H * p.K) * sizeof(T));
   T* dst = reinterpret_cast<T*>(buf.data());
   const T* src = static_cast<const T*>(p.a0.data);
-  for (int64_t n = 0; n < pool; ++n)
+  for (int64_t n = 0; n < p.N; ++n) {
+    const int64_t si = p.in_slots ? p.in_slots[n] : n;
+    if (si < 0) continue;
     for (int64_t h = 0; h < p.H; ++h)
       for (int64_t c = 0; c < p.K; ++c)
-        dst[(n * p.H + h) * p.K + c] = src[n * p.a0.stride[0] + h * p.a0.stride[1] + c];
+        dst[(si * p.H + h) * p.K + c] = src[si * p.a0.stride[0] + h * p.a0.stride[1] + c];
+  }
   p.a0.data = dst;
   p.a0.stride[0] = p.H * p.K;
   p.a0.stride[1] = p.K;
@@ -137,9 +144,9 @@ const char* chunkwise_forward(const KernelParams& params) {
   KernelParams p = params;
   std::vector<unsigned char> a0copy;
   if (p.dtype == DType::f64)
-    snapshot_a0<double>(p, p.N, a0copy);
+    snapshot_a0<double>(p, a0copy);
   else
-    snapshot_a0<float>(p, p.N, a0copy);
+    snapshot_a0<float>(p, a0copy);
   // Parallel over (sequence, value head); with fewer pairs than threads, also over blocks of value
   // columns (independent in the recurrence, SPEC §2), each at least 32 columns wide. With more pairs
   // than threads, a task runs a group of adjacent value heads of one sequence chunk by chunk together

@@ -18,6 +18,12 @@ inline int64_t seq_len(const KernelParams& p, int64_t n) {
 }
 inline int64_t seq_batch(const KernelParams& p, int64_t n) { return p.cu_seqlens ? 0 : n; }
 inline int64_t state_index(const KernelParams& p, int64_t n) { return p.slots ? p.slots[n] : n; }
+/// The state read (-1: zero start) and written (-1: none) by sequence n; whether it is padding.
+inline int64_t read_index(const KernelParams& p, int64_t n) { return p.in_slots ? p.in_slots[n] : state_index(p, n); }
+inline int64_t write_index(const KernelParams& p, int64_t n) {
+  return p.out_slots ? p.out_slots[n] : state_index(p, n);
+}
+inline bool is_padded(const KernelParams& p, int64_t n) { return p.padded && p.padded[n]; }
 
 /// The per-call constants shared by the kernels. `In` is the storage type of the inputs and of `o`
 /// (T, or Bf16Bits / F16Bits with T = float); states are T. The row accessors return `In` pointers

@@ -130,25 +130,49 @@ size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {}) {
 }
 
 /// Decodes `tokens.shape.time` new tokens (usually 1 to 4) for each of `tokens.shape.batch`
-/// sequences, continuing from `state` and updating it in place. Equal to `forward` over the same
-/// tokens with h0/a0 = state and hT/aT written back. `o` is [N, T, HV, V]: a TensorView or a bare
-/// pointer (T is deduced from `state` and `tokens` only). Device tensors (float32, bfloat16 or float16;
-/// or `backend = cuda`) run dgps::cuda::decode, asynchronously on the default stream.
+/// sequences, or a packed batch of sequences of any lengths (`tokens.varlen(cu_seqlens)`: a prefill, or
+/// ragged drafts), continuing from `state` and updating it in place. Equal to `forward` over the same
+/// tokens with h0/a0 = state and hT/aT written back. `o` is [B, T, HV, V]: a TensorView or a bare
+/// pointer (T is deduced from `state` and `tokens` only).
+///
+/// `state` may be a serving engine's pool of P states addressed by index tensors (DecodeState):
+/// per-sequence start and final slots, "has initial state" flags, negative slots for padding sequences
+/// (outputs zero, the pool untouched), and speculative verification (`token_slots`, `num_accepted`):
+/// the state after every draft token written to its own slot, the start read from the slot of the last
+/// accepted token. Validation errors name the tensor and write nothing.
+///
+/// On the CPU (`opt.algorithm`): `recurrent` runs the fused decode kernel, `chunkwise` the chunkwise
+/// forward (prefill; not with token_slots), `automatic` the chunkwise one when a sequence is longer than
+/// cpu::kDecodeMaxTokens and the model has chunkwise kernels. Device tensors (float32, bfloat16 or
+/// float16; or `backend = cuda`) run dgps::cuda::decode, asynchronously on the default stream; the CUDA
+/// backend takes `slots` only (no cu_seqlens, out_slots, has_initial or token_slots: dgps::Error).
 template <class R, class T>
 RunInfo decode(const DecodeState<T>& state, const Inputs<T>& tokens, std::type_identity_t<Out<T>> o,
                const Options& opt = {}) {
 #if defined(DGPS_HAS_CUDA)
-  if (detail::wants_cuda(opt.backend, tokens.q.data)) return detail::cuda_decode<R>(state, tokens, o, opt);
+  if (detail::wants_cuda(opt.backend, tokens.q.data)) {
+    auto given = [](const auto& t) { return t.data != nullptr || t.rank > 0; };
+    if (given(tokens.cu_seqlens) || given(state.out_slots) || given(state.has_initial) || given(state.token_slots) ||
+        given(state.num_accepted))
+      throw Error("decode on the CUDA backend takes slots only: cu_seqlens, out_slots, has_initial, token_slots and "
+                  "num_accepted are CPU-only for now");
+    return detail::cuda_decode<R>(state, tokens, o, opt);
+  }
 #endif
   const detail::Problem<T> p = detail::check_decode<R>(state, tokens, o, opt);
   detail::check_finite(p, opt);
   RunInfo info{detail::select_backend(opt.backend), Algorithm::recurrent, {}};
-  detail::check_supported<R>(info.backend, Algorithm::recurrent);
+  const Algorithm alg = info.backend == Backend::reference ? Algorithm::recurrent : opt.algorithm;
+  if (alg == Algorithm::chunkwise && p.token_slots)
+    throw Error("decode: the chunkwise algorithm does not write per-token states (token_slots); use recurrent");
+  detail::check_supported<R>(info.backend, alg == Algorithm::automatic ? Algorithm::recurrent : alg);
   if (info.backend == Backend::reference) {
     reference::forward<R, T, double>(p, p.threads);
     info.impl = "reference/decode";
   } else {
-    info.impl = cpu::decode<R, T>(p);
+    const cpu::Ran ran = cpu::decode<R, T>(p, alg);
+    info.impl = ran.impl;
+    info.algorithm = ran.algorithm;
   }
   detail::report("decode", info);
   return info;

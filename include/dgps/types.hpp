@@ -315,14 +315,33 @@ struct Grads {
   TensorView<S> dh0, da0;
 };
 
-/// The recurrent state of a batch of sequences for `decode`: `h` [P, HV, K, V] and, with a
-/// preconditioner, `a` [P, H, K] or [P, H, K, K]. Updated in place. Without `slots`, P = N (one
-/// state per sequence); with `slots` [N] (int64), sequence n uses state `slots[n]` of a pool of P.
+/// The recurrent states of a batch of sequences for `decode`: a pool `h` [P, HV, K, V] and, with a
+/// preconditioner, `a` [P, H, K] or [P, H, K, K] (a serving engine's state pool). Updated in place.
+///
+/// Without `slots`, P = N: sequence n reads and writes state n. The index tensors (int64, contiguous)
+/// address the pool instead:
+/// - `slots` [N]: sequence n starts from state `slots[n]` and, unless `out_slots` is given, writes its
+///   final state back there. A negative slot marks a padding sequence: nothing of the pool is read or
+///   written for it and its outputs are zero. A slot >= P is an error.
+/// - `out_slots` [N]: the final state of sequence n goes to `out_slots[n]` instead (negative: padding).
+/// - `has_initial` [N] (uint8, 0 or 1): 0 starts sequence n from zero states (h = 0, a = 0 or I/lambda)
+///   whatever its slot holds; its final state is still written.
+/// - speculative verification: `token_slots` [N, D] with `num_accepted` [N]: sequence n (at most D
+///   tokens) starts from state `token_slots[n, num_accepted[n] - 1]` (negative: padding) and writes
+///   the state after its token t to `token_slots[n, t]` (skipped where negative); no other final
+///   state is written. `slots`, `out_slots` and `has_initial` must be absent then.
+/// A state written by a sequence may be read or written by no other sequence of the call (a slot
+/// that only sequences read may be shared); the same slot read and written by one sequence is the
+/// in-place update.
 template <class T>
 struct DecodeState {
   using S = state_t<T>;
   TensorView<S> h, a;
   TensorView<const int64_t> slots;
+  TensorView<const int64_t> out_slots;
+  TensorView<const uint8_t> has_initial;
+  TensorView<const int64_t> token_slots;
+  TensorView<const int64_t> num_accepted;
 };
 
 }  // namespace dgps

@@ -29,6 +29,12 @@ struct GradTensors {
   Tensor dq, dk, dv, dg, dbeta, dg_p, dbeta_p, dcenter, dh0, da0;
 };
 
+/// The index tensors of a decode through a state pool (dgps::DecodeState), int64 (has_initial uint8); undefined
+/// when absent.
+struct PoolIndices {
+  Tensor slots, out_slots, has_initial, token_slots, num_accepted;
+};
+
 /// A view of `t` with element type T (no copy; rank <= 4; validation happens in dgps).
 template <class T>
 dgps::TensorView<T> view_of(const Tensor& t) {

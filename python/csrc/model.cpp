@@ -95,4 +95,21 @@ void DGPS_TORCH_CAT(backward_, DGPS_TORCH_MODEL)(const Args& a, const Tensor& d_
   });
 }
 
+void DGPS_TORCH_CAT(decode_, DGPS_TORCH_MODEL)(const Args& a, const Tensor& o, const Tensor& h, const Tensor& st_a,
+                                               const PoolIndices& ix) {
+  by_dtype(a.q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using S = dgps::state_t<T>;
+    dgps::DecodeState<T> st;
+    st.h = view_of<S>(h);
+    st.a = maybe<S>(st_a);
+    st.slots = maybe<const int64_t>(ix.slots);
+    st.out_slots = maybe<const int64_t>(ix.out_slots);
+    st.has_initial = maybe<const uint8_t>(ix.has_initial);
+    st.token_slots = maybe<const int64_t>(ix.token_slots);
+    st.num_accepted = maybe<const int64_t>(ix.num_accepted);
+    dgps::decode<Model>(st, inputs_of<T>(a), view_of<T>(o), a.opt);
+  });
+}
+
 }  // namespace dgps_torch

@@ -27,13 +27,18 @@ using ForwardFn = void (*)(const Args&, const Tensor&, const Tensor&, const Tens
 using BackwardFn = void (*)(const Args&, const Tensor&, const OptTensor&, const OptTensor&, const GradTensors&,
                             const dgps::TrainingCache*);
 
+/// Host decode of one compiled model through a state pool (dgps::decode with dgps::DecodeState): writes `o`,
+/// updates `h` (and `a`) in place at the slots the index tensors name (each undefined when absent).
+using DecodeFn = void (*)(const Args&, const Tensor& o, const Tensor& h, const Tensor& a, const PoolIndices&);
+
 // One X(name) per compiled model; python/CMakeLists.txt compiles model.cpp once for each.
 #define DGPS_TORCH_MODELS(X) X(gdn) X(kda) X(pgdn) X(pkda) X(dn) X(gla) X(mamba2) X(la) X(simple_gla)
 
 #define DGPS_TORCH_DECLARE(name)                                                                           \
   void forward_##name(const Args&, const Tensor&, const Tensor&, const Tensor&, dgps::TrainingCache*);     \
   void backward_##name(const Args&, const Tensor&, const OptTensor&, const OptTensor&, const GradTensors&, \
-                       const dgps::TrainingCache*);
+                       const dgps::TrainingCache*);                                             \
+  void decode_##name(const Args&, const Tensor&, const Tensor&, const Tensor&, const PoolIndices&);
 DGPS_TORCH_MODELS(DGPS_TORCH_DECLARE)
 #undef DGPS_TORCH_DECLARE
 

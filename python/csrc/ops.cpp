@@ -62,9 +62,11 @@ struct Entry {
   const char* name;
   ForwardFn fwd;
   BackwardFn bwd;
+  DecodeFn dec;
 };
 
-#define DGPS_TORCH_ENTRY(name) Entry{dgps::spec_of<models::name>(), #name, &forward_##name, &backward_##name},
+#define DGPS_TORCH_ENTRY(name) \
+  Entry{dgps::spec_of<models::name>(), #name, &forward_##name, &backward_##name, &decode_##name},
 const Entry kEntries[] = {DGPS_TORCH_MODELS(DGPS_TORCH_ENTRY)};
 #undef DGPS_TORCH_ENTRY
 
@@ -247,6 +249,35 @@ void release_cache(const Tensor& handle) {
 
 std::string compiled_models_op() { return compiled_models(); }
 
+/// Decode / prefill through a state pool: `h` [P, HV, K, V] (and `a`) updated in place at the slots that the
+/// index tensors name (dgps::DecodeState; int64 indices, uint8 has_initial); returns o [B, T, HV, V].
+Tensor decode_cpu(const std::string& model, const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g,
+                  const OptTensor& beta, const OptTensor& g_p, const OptTensor& beta_p, const OptTensor& center,
+                  const Tensor& h, const OptTensor& a, const OptTensor& cu_seqlens, const OptTensor& slots,
+                  const OptTensor& out_slots, const OptTensor& has_initial, const OptTensor& token_slots,
+                  const OptTensor& num_accepted, c10::optional<double> scale, bool l2norm, double x, double eps,
+                  double lamb, const std::string& backend, const std::string& algorithm, int64_t chunk_size) {
+  Args args = make_args(model, q, k, v, g, beta, g_p, beta_p, center, c10::nullopt, c10::nullopt, cu_seqlens, scale,
+                        l2norm, x, eps, lamb, backend, chunk_size);
+  try {
+    args.opt.algorithm = dgps::algorithm_from_string(algorithm);
+  } catch (const dgps::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  const Entry* e = find_entry(args.spec);
+  TORCH_CHECK(e, "dgps_torch: decode through a state pool is compiled for ", compiled_models(), ", not for '",
+              dgps::to_string(args.spec), "'");
+  auto opt_t = [](const OptTensor& t) { return given(t) ? *t : Tensor(); };
+  const PoolIndices ix{opt_t(slots), opt_t(out_slots), opt_t(has_initial), opt_t(token_slots), opt_t(num_accepted)};
+  Tensor o = at::zeros({q.size(0), q.size(1), v.size(2), v.size(3)}, q.options());
+  try {
+    e->dec(args, o, h, opt_t(a), ix);
+  } catch (const dgps::Error& err) {
+    TORCH_CHECK_VALUE(false, err.what());
+  }
+  return o;
+}
+
 }  // namespace
 
 GradTensors allocate_grads(const Args& a) {
@@ -279,6 +310,11 @@ TORCH_LIBRARY(dgps, m) {
       "backward(str model, Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? g_p, Tensor? beta_p, "
       "Tensor? center, Tensor? h0, Tensor? a0, Tensor? cu_seqlens, float? scale, bool l2norm, float x, float eps, "
       "float lamb, str backend, int chunk_size, Tensor d_o, Tensor? dhT, Tensor? daT, Tensor handle) -> Tensor[]");
+  m.def(
+      "decode(str model, Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? g_p, Tensor? beta_p, "
+      "Tensor? center, Tensor(a!) h, Tensor(b!)? a, Tensor? cu_seqlens, Tensor? slots, Tensor? out_slots, "
+      "Tensor? has_initial, Tensor? token_slots, Tensor? num_accepted, float? scale, bool l2norm, float x, float eps, "
+      "float lamb, str backend, str algorithm, int chunk_size) -> Tensor");
   m.def("release_cache(Tensor handle) -> ()");
   m.def("compiled_models() -> str", &dgps_torch::compiled_models_op);
   m.def("has_cuda() -> bool", []() {
@@ -294,4 +330,5 @@ TORCH_LIBRARY_IMPL(dgps, CPU, m) {
   m.impl("forward", &dgps_torch::forward_cpu);
   m.impl("backward", &dgps_torch::backward_cpu);
   m.impl("release_cache", &dgps_torch::release_cache);
+  m.impl("decode", &dgps_torch::decode_cpu);
 }

@@ -7,6 +7,7 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the operator library)
 from .core import recurrence
+from .serve import pool_recurrence
 from .fla import (chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_kda, chunk_precond_gated_delta_rule,
                   chunk_precond_kda, chunk_simple_gla, fused_recurrent_delta_rule, fused_recurrent_gated_delta_rule,
                   fused_recurrent_kda, fused_recurrent_precond_gated_delta_rule, fused_recurrent_precond_kda,
@@ -29,7 +30,7 @@ def has_cuda():
     return torch.ops.dgps.has_cuda()
 
 
-__all__ = ["recurrence", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
+__all__ = ["recurrence", "pool_recurrence", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
            "fused_recurrent_kda", "chunk_precond_gated_delta_rule", "fused_recurrent_precond_gated_delta_rule",
            "chunk_precond_kda", "fused_recurrent_precond_kda", "chunk_delta_rule", "fused_recurrent_delta_rule",
            "chunk_gla", "chunk_simple_gla", "fused_recurrent_simple_gla", "chunk_gdn", "fused_recurrent_gdn",

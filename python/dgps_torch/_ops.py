@@ -55,10 +55,17 @@ def _fake_backward(model, q, k, v, g, beta, g_p, beta_p, center, h0, a0, cu_seql
             for t in (q, k, v, g, beta, g_p, beta_p, center, h0, a0)]
 
 
+def _fake_decode(model, q, k, v, g, beta, g_p, beta_p, center, h, a, cu_seqlens, slots, out_slots, has_initial,
+                 token_slots, num_accepted, scale, l2norm, x, eps, lamb, backend, algorithm, chunk_size):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+
+
 if hasattr(torch.library, "register_fake"):
+    torch.library.register_fake("dgps::decode")(_fake_decode)
     torch.library.register_fake("dgps::forward")(_fake_forward)
     torch.library.register_fake("dgps::backward")(_fake_backward)
 elif hasattr(torch.library, "impl_abstract"):
+    torch.library.impl_abstract("dgps::decode")(_fake_decode)
     torch.library.impl_abstract("dgps::forward")(_fake_forward)
     torch.library.impl_abstract("dgps::backward")(_fake_backward)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .core import recurrence
+from .serve import pool_recurrence, vllm_indices
 
 RCP = "dgps_torch"
 
@@ -87,11 +88,23 @@ def _ret2(o, ht, out):
     return o, (ht if out else None)
 
 
+def _pool_layout(fn, v_first):
+    if v_first:
+        raise NotImplementedError(f"{RCP}.{fn}: a state pool in the V-major layout (state_v_first / "
+                                  "transpose_state_layout) is not supported; pass [P, HV, K, V]")
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                           cp_context=None, **kwargs):
-    """Gated DeltaNet (FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule`). Returns (o, final_state or None)."""
+                           cp_context=None, *, initial_state_indices=None, has_initial_state=None, **kwargs):
+    """Gated DeltaNet (FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule`). Returns (o, final_state or None).
+
+    SGLang's prefill through a state pool (CPU): with `initial_state_indices` [N], `initial_state` is the pool
+    [P, HV, K, V]; sequence n starts from initial_state[idx[n]] (from zero where `has_initial_state[n]` is False)
+    and its final state replaces that slot in place; idx < 0 marks padding (pool untouched, outputs zero).
+    Returns (o, initial_state). Forward only.
+    """
     fn = "chunk_gated_delta_rule"
     _reject(fn, kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
     _unsupported(fn, cp_context=cp_context)
@@ -100,6 +113,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if kwargs.get("use_gate_in_kernel", False):
         g = _gdn_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"))
     beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if initial_state_indices is not None:
+        _pool_layout(fn, v_first)
+        if initial_state is None:
+            raise ValueError(f"{RCP}.{fn}: initial_state_indices needs initial_state (the state pool [P, HV, K, V])")
+        o = pool_recurrence("gdn", q, k, v, initial_state, g=g, beta=beta, slots=initial_state_indices,
+                            has_initial=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
+                            l2norm_qk=use_qk_l2norm_in_kernel)
+        return o, initial_state
+    if has_initial_state is not None:
+        raise ValueError(f"{RCP}.{fn}: has_initial_state needs initial_state_indices")
     o, ht, _ = recurrence("gdn", q, k, v, g=g, beta=beta, initial_state=_state_in(initial_state, v_first),
                           scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
                           cu_seqlens=cu_seqlens)
@@ -110,8 +133,17 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, **kwargs):
-    """FLA's fused_recurrent_gated_delta_rule (with a backward here). `gk` (per-key decay) is added to `g`."""
+                                     cu_seqlens=None, *, inplace_final_state=True, ssm_state_indices=None,
+                                     num_accepted_tokens=None, **kwargs):
+    """FLA's fused_recurrent_gated_delta_rule (with a backward here). `gk` (per-key decay) is added to `g`.
+
+    vLLM's continuous batching (CPU, forward only): with `ssm_state_indices` [N], `initial_state` is the state pool
+    [P, HV, K, V]; sequence n starts from initial_state[idx[n]] and its final state replaces that slot
+    (`inplace_final_state=True`; False: row n of a new [N, HV, K, V] tensor); idx < 0 is padding (pool untouched,
+    outputs zero). With [N, D] indices and `num_accepted_tokens` [N] (speculative verification) sequence n starts
+    from initial_state[idx[n, accepted[n] - 1]] and the state after its token t goes to initial_state[idx[n, t]].
+    Returns (o, final_state) where final_state is the pool; `output_final_state` is ignored then.
+    """
     fn = "fused_recurrent_gated_delta_rule"
     _reject(fn, kwargs, ("transpose_state_layout",))
     _unsupported(fn, gv=gv)
@@ -130,6 +162,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         model, gate = "gdn", g
     else:
         model, gate = "dn", None
+    if ssm_state_indices is not None:
+        _pool_layout(fn, v_first)
+        pool, ix = vllm_indices(fn, q, initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        o = pool_recurrence(model, q, k, v, pool, g=gate, beta=beta, cu_seqlens=cu_seqlens, scale=scale,
+                            l2norm_qk=use_qk_l2norm_in_kernel, **ix)
+        return o, pool
+    if num_accepted_tokens is not None:
+        raise ValueError(f"{RCP}.{fn}: num_accepted_tokens needs ssm_state_indices")
     o, ht, _ = recurrence(model, q, k, v, g=gate, beta=beta, initial_state=_state_in(initial_state, v_first),
                           scale=scale, output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
                           cu_seqlens=cu_seqlens)

@@ -241,5 +241,17 @@ TEST_CASE("unified API: bf16 backward and f16 decode reach dgps::cuda") {
     CHECK(fake_cuda::params.h0.data == h.data());
     CHECK(fake_cuda::params.hT.data == h.data());
     CHECK(fake_cuda::params.a0.data == a.data());
+    // The serving pool's other index tensors are CPU-only: a clear error, nothing reaches dgps::cuda.
+    fake_cuda::reset(true);
+    const std::vector<int64_t> outs = {1, 2};
+    st.out_slots = dgps::view(outs.data(), {2});
+    std::string msg;
+    try {
+      dgps::decode<dgps::PGDN>(st, f.in, f.o.data(), with(dgps::Backend::cuda));
+    } catch (const dgps::Error& e) {
+      msg = e.what();
+    }
+    CHECK(msg.find("CUDA backend takes slots only") != std::string::npos);
+    CHECK(fake_cuda::called.empty());
   }
 }

@@ -4,6 +4,7 @@
 /// converts the validated detail::Problem<T> into kernels::KernelParams and picks the algorithm.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -74,6 +75,11 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
   k.B = p.B, k.T = p.T_, k.H = p.H, k.HV = p.HV, k.K = p.K, k.V = p.V, k.N = p.N;
   k.cu_seqlens = p.cu_seqlens;
   k.slots = p.slots;
+  if (!p.in_slots.empty()) k.in_slots = p.in_slots.data();
+  if (!p.out_slots.empty()) k.out_slots = p.out_slots.data();
+  if (!p.padded.empty()) k.padded = p.padded.data();
+  k.token_slots = p.token_slots;
+  k.token_ld = p.token_ld;
   k.q = kview(p.q), k.k = kview(p.k), k.v = kview(p.v), k.g = kview(p.g), k.beta = kview(p.beta);
   k.g_p = kview(p.g_p), k.beta_p = kview(p.beta_p), k.center = kview(p.center);
   k.h0 = kview(p.h0), k.a0 = kview(p.a0), k.o = kview(p.o), k.hT = kview(p.hT), k.aT = kview(p.aT);
@@ -139,10 +145,22 @@ Ran backward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   return {Algorithm::recurrent, "cpu/recurrent"};
 }
 
-/// Decode on the CPU with the fused one-sweep-per-token kernel (every model); returns its name.
+/// Sequences longer than this run a decode call (a prefill through the state pool) on the chunkwise
+/// kernels when `automatic` (and the model has them); shorter ones on the decode kernel.
+inline constexpr int64_t kDecodeMaxTokens = 16;
+
+/// Decode on the CPU: the fused one-sweep-per-token kernel (every model), or for a prefill (`chunkwise`,
+/// or `automatic` with a sequence longer than kDecodeMaxTokens and a model with chunkwise kernels) the
+/// chunkwise forward with the same state-pool addressing. Speculative verification (token slots) always
+/// runs the decode kernel. Returns what ran.
 template <class R, class T>
-std::string decode(const dgps::detail::Problem<T>& p) {
-  return kernels::decode(detail_cpu::params(p));
+Ran decode(const dgps::detail::Problem<T>& p, Algorithm alg) {
+  int64_t longest = 0;
+  for (int64_t n = 0; n < p.N; ++n) longest = std::max(longest, p.seq_len(n));
+  const bool chunk = has_chunkwise<R>() && !p.token_slots &&
+                     (alg == Algorithm::chunkwise || (alg == Algorithm::automatic && longest > kDecodeMaxTokens));
+  if (chunk) return {Algorithm::chunkwise, kernels::chunkwise_forward(detail_cpu::params(p))};
+  return {Algorithm::recurrent, kernels::decode(detail_cpu::params(p))};
 }
 
 }  // namespace dgps::cpu

@@ -31,6 +31,16 @@ struct KernelParams {
   int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, N = 0;
   const int64_t* cu_seqlens = nullptr;  ///< [N+1] or null
   const int64_t* slots = nullptr;       ///< decode: state index of sequence n, or null
+  /// Decode through a state pool (dgps::DecodeState), each [N] or null: the state read by sequence n
+  /// (-1: zero / default start; null: `slots`), the state its final state is written to (-1: none),
+  /// padding sequences (o zero, nothing read or written). `token_slots` [N, token_ld]: the state
+  /// after token t of sequence n is written to slot token_slots[n * token_ld + t] (skipped when
+  /// negative), and no final state is written.
+  const int64_t* in_slots = nullptr;
+  const int64_t* out_slots = nullptr;
+  const unsigned char* padded = nullptr;
+  const int64_t* token_slots = nullptr;
+  int64_t token_ld = 0;
   KView q, k, v, g, beta, g_p, beta_p, center;  ///< inputs [B,T,H,K] .. center [H]
   KView h0, a0;                                 ///< initial states [N,HV,K,V], [N,H,K] (or [N,H,K,K])
   KView o, hT, aT;                              ///< outputs

@@ -334,41 +334,143 @@ Problem<T> check_backward(const Inputs<T>& in, const GradsIn<T>& gi, const Grads
   return p;
 }
 
-/// Validates a decode call: `tokens.shape` is [N sequences, T new tokens]; states in `st`.
+/// An optional int64 / uint8 index tensor of a decode state: null, or exactly `expect`, contiguous.
+template <class I>
+const I* resolve_index(const char* name, const TensorView<const I>& t, const std::vector<int64_t>& expect) {
+  if (!t.data && t.rank <= 0) return nullptr;
+  if (!t.data) throw Error(std::string("tensor '") + name + "' has null data");
+  bool ok = t.rank == static_cast<int>(expect.size());
+  for (int d = 0; ok && d < t.rank; ++d) ok = t.size[d] == expect[d];
+  if (!ok)
+    throw Error(std::string("tensor '") + name + "' has shape " + t.shape_string() + ", expected " + shape_str(expect));
+  int64_t want = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    if (t.size[d] > 1 && t.stride[d] != want) throw Error(std::string("tensor '") + name + "' must be contiguous");
+    want *= t.size[d];
+  }
+  return t.data;
+}
+
+/// Resolves the state-pool indices of a decode call (DecodeState) into p.in_slots, p.out_slots,
+/// p.padded and p.token_slots, checking every index against the pool of P states and that no state
+/// written by one sequence is read or written by another. Reads nothing but the index tensors.
+template <class T>
+void check_pool_indices(Problem<T>& p, const DecodeState<T>& st, int64_t P) {
+  const int64_t N = p.N;
+  const int64_t* slots = resolve_index("slots", st.slots, {N});
+  const int64_t* outs = resolve_index("out_slots", st.out_slots, {N});
+  const uint8_t* init = resolve_index("has_initial", st.has_initial, {N});
+  const bool verify = st.token_slots.data || st.token_slots.rank > 0;
+  const bool accepted = st.num_accepted.data || st.num_accepted.rank > 0;
+  if (verify != accepted)
+    throw Error(verify ? "tensor 'num_accepted' is required with token_slots but was not given"
+                       : "tensor 'num_accepted' was given but token_slots (speculative verification) was not");
+  auto seq_len = [&](int64_t n) { return p.seq_len(n); };
+  auto in_pool = [&](const char* name, int64_t i, int64_t v) {
+    if (v >= P)
+      throw Error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                  " is outside the state pool [0, " + std::to_string(P) + ")");
+  };
+  if (verify) {
+    if (slots || outs || init)
+      throw Error("token_slots (speculative verification) takes the start state from num_accepted; slots, out_slots "
+                  "and has_initial must not be given with it");
+    if (st.token_slots.rank != 2 || !st.token_slots.data)
+      throw Error("tensor 'token_slots' has shape " + st.token_slots.shape_string() + ", expected [" +
+                  std::to_string(N) + ", D]");
+    const int64_t D = st.token_slots.size[1];
+    const int64_t* ts = resolve_index("token_slots", st.token_slots, {N, D});
+    const int64_t* acc = resolve_index("num_accepted", st.num_accepted, {N});
+    p.in_slots.assign(size_t(N), -1);
+    p.out_slots.assign(size_t(N), -1);
+    p.padded.assign(size_t(N), 0);
+    for (int64_t n = 0; n < N; ++n) {
+      if (acc[n] < 1 || acc[n] > D)
+        throw Error("num_accepted[" + std::to_string(n) + "] = " + std::to_string(acc[n]) + " is outside [1, " +
+                    std::to_string(D) + "] (token_slots has D = " + std::to_string(D) + " columns)");
+      if (seq_len(n) > D)
+        throw Error("sequence " + std::to_string(n) + " has " + std::to_string(seq_len(n)) +
+                    " tokens but token_slots has D = " + std::to_string(D) + " columns");
+      for (int64_t t = 0; t < D; ++t) in_pool("token_slots", n * D + t, ts[n * D + t]);
+      const int64_t start = ts[n * D + acc[n] - 1];
+      if (start < 0)
+        p.padded[n] = 1;
+      else
+        p.in_slots[n] = start;
+    }
+    p.token_slots = ts;
+    p.token_ld = D;
+  } else if (slots || outs || init) {
+    if (!slots && N > P)
+      throw Error("tensor 'h' holds " + std::to_string(P) + " states; without slots sequence n reads state n, so N = " +
+                  std::to_string(N) + " needs at least N");
+    p.in_slots.assign(size_t(N), -1);
+    p.out_slots.assign(size_t(N), -1);
+    p.padded.assign(size_t(N), 0);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t si = slots ? slots[n] : n, so = outs ? outs[n] : si;
+      if (slots) in_pool("slots", n, si);
+      if (outs) in_pool("out_slots", n, so);
+      if (init && init[n] > 1)
+        throw Error("has_initial[" + std::to_string(n) + "] = " + std::to_string(init[n]) + ", expected 0 or 1");
+      if (si < 0 || so < 0) {
+        p.padded[n] = 1;
+        continue;
+      }
+      p.in_slots[n] = init && !init[n] ? -1 : si;
+      p.out_slots[n] = so;
+    }
+  } else {
+    return;  // the identity: sequence n reads and writes state n
+  }
+  // A state written by one sequence is read or written by no other (tasks run in parallel).
+  std::vector<int64_t> writer(static_cast<size_t>(P), -1);
+  auto write = [&](int64_t n, int64_t slot) {
+    if (slot < 0) return;
+    if (writer[slot] >= 0 && writer[slot] != n)
+      throw Error("slots: state " + std::to_string(slot) + " is written by two sequences (" +
+                  std::to_string(writer[slot]) + " and " + std::to_string(n) + ")");
+    if (writer[slot] == n && p.token_slots)
+      throw Error("token_slots: state " + std::to_string(slot) + " is written twice by sequence " + std::to_string(n));
+    writer[slot] = n;
+  };
+  for (int64_t n = 0; n < N; ++n) {
+    if (p.padded[n]) continue;
+    if (p.token_slots)
+      for (int64_t t = 0; t < seq_len(n); ++t) write(n, p.token_slots[n * p.token_ld + t]);
+    else
+      write(n, p.out_slots[n]);
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t r = p.padded[n] ? -1 : p.in_slots[n];
+    if (r >= 0 && writer[r] >= 0 && writer[r] != n)
+      throw Error("slots: state " + std::to_string(r) + " is read by sequence " + std::to_string(n) +
+                  " and written by sequence " + std::to_string(writer[r]));
+  }
+}
+
+/// Validates a decode call: `tokens.shape` is [N sequences, T new tokens], or with `cu_seqlens` a
+/// packed batch of N sequences (B = 1); states and their pool indices in `st` (DecodeState).
 template <class R, class T>
 Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T> o, const Options& opt) {
   if (tokens.h0.data || tokens.a0.data)
     throw Error("decode takes its states from DecodeState; the token inputs must not carry h0/a0");
-  if (tokens.cu_seqlens.data) throw Error("decode takes one row per sequence; cu_seqlens is not supported there");
   Problem<T> p = check_inputs<R>(tokens, opt);
   p.o = resolve("o", o.view, {p.B, p.T_, p.HV, p.V}, true, "as the output");
+  auto given = [](const auto& t) { return t.data != nullptr || t.rank > 0; };
+  const bool pooled = given(st.slots) || given(st.out_slots) || given(st.has_initial) || given(st.token_slots) ||
+                      given(st.num_accepted);
   int64_t pool = p.N;
-  const bool has_slots = st.slots.data || st.slots.rank > 0;
-  if (has_slots) {
-    if (!st.slots.data) throw Error("tensor 'slots' has null data");
-    if (st.slots.rank != 1 || st.slots.size[0] != p.N)
-      throw Error("tensor 'slots' has shape " + st.slots.shape_string() + ", expected [" + std::to_string(p.N) + "]");
+  if (pooled) {
     if (!st.h.data || st.h.rank < 1) throw Error("tensor 'h' (decode state) is required but was not given");
     pool = st.h.size[0];
   }
-  // The pool is bounded by the state's validation before the slot table is sized from it.
+  // The pool is bounded by the state's validation before the index tables are sized from it.
   auto h = resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
-  if (has_slots) {
-    std::vector<char> used(static_cast<size_t>(pool), 0);
-    for (int64_t n = 0; n < p.N; ++n) {
-      const int64_t sidx = st.slots.data[n * st.slots.stride[0]];
-      if (sidx < 0 || sidx >= pool)
-        throw Error("slots[" + std::to_string(n) + "] = " + std::to_string(sidx) + " is outside the state pool [0, " +
-                    std::to_string(pool) + ")");
-      if (used[sidx]) throw Error("slots: state " + std::to_string(sidx) + " is used by two sequences");
-      used[sidx] = 1;
-    }
-    if (st.slots.stride[0] != 1) throw Error("tensor 'slots' must be contiguous");
-    p.slots = st.slots.data;
-  }
+  auto a = resolve_precond_state<R, T>("a", st.a, pool, p.H, p.K, true);
+  check_pool_indices(p, st, pool);
   p.h0 = h;
   p.hT = h;
-  auto a = resolve_precond_state<R, T>("a", st.a, pool, p.H, p.K, true);
   p.a0 = a;
   p.aT = a;
   return p;

@@ -73,6 +73,8 @@ auto with_float_copy(const Problem<T>& p, F&& fn) {
   f.B = p.B, f.T_ = p.T_, f.H = p.H, f.HV = p.HV, f.K = p.K, f.V = p.V, f.N = p.N;
   f.cu_seqlens = p.cu_seqlens;
   f.slots = p.slots;
+  f.in_slots = p.in_slots, f.out_slots = p.out_slots, f.padded = p.padded;
+  f.token_slots = p.token_slots, f.token_ld = p.token_ld;
   f.h0 = p.h0, f.a0 = p.a0, f.hT = p.hT, f.aT = p.aT;
   f.dhT = p.dhT, f.daT = p.daT, f.dh0 = p.dh0, f.da0 = p.da0;
   f.scale = p.scale, f.x = p.x, f.eps = p.eps, f.lambda = p.lambda;

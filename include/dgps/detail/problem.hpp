@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "dgps/recurrence.hpp"
 #include "dgps/tensor.hpp"
@@ -22,6 +23,12 @@ struct Problem {
   TensorView<const S> h0, a0;
   const int64_t* cu_seqlens = nullptr;  ///< [N+1] or null (fixed length T, N = B)
   const int64_t* slots = nullptr;       ///< decode: state index of each sequence, or null (identity)
+  // Decode through a state pool (DecodeState's index tensors, resolved by check_decode); empty otherwise.
+  std::vector<int64_t> in_slots;        ///< [N] state read by sequence n; -1: zero / default start
+  std::vector<int64_t> out_slots;       ///< [N] state its final state is written to; -1: none
+  std::vector<unsigned char> padded;    ///< [N] 1: padding sequence (o zero, the pool untouched)
+  const int64_t* token_slots = nullptr; ///< [N, token_ld]: the state after token t goes to slot [n, t]
+  int64_t token_ld = 0;
 
   // Forward outputs.
   TensorView<T> o;
@@ -49,6 +56,10 @@ struct Problem {
   int64_t seq_batch(int64_t n) const { return cu_seqlens ? 0 : n; }
   /// Index of sequence n's state in h0/a0/hT/aT (a slot of the pool in decode).
   int64_t state_index(int64_t n) const { return slots ? slots[n] : n; }
+  /// State read (-1: zero start) and written (-1: none) by sequence n; whether it is padding.
+  int64_t read_index(int64_t n) const { return in_slots.empty() ? state_index(n) : in_slots[n]; }
+  int64_t write_index(int64_t n) const { return out_slots.empty() ? state_index(n) : out_slots[n]; }
+  bool is_padded(int64_t n) const { return !padded.empty() && padded[n]; }
 };
 
 }  // namespace dgps::detail

@@ -61,18 +61,29 @@ class GroupKernel {
   GroupKernel(const dgps::detail::Problem<T>& p, int64_t n, int64_t h)
       : p_(p), n_(n), h_(h), r_(p.HV / p.H), K_(p.K), V_(p.V), KV_(p.K * p.V), PS_(precond::state_size<P>(p.K)),
         b_(p.seq_batch(n)), t0_(p.seq_begin(n)), L_(p.seq_len(n)), si_(p.state_index(n)),
+        ri_(p.read_index(n)), wi_(p.write_index(n)),
         c_{Acc(std::log(p.x)), Acc(p.eps), Acc(p.lambda)} {}
 
   /// Forward pass: writes o for every token of the sequence, and hT / aT when requested.
+  /// Through a state pool (decode): a padding sequence only zeroes its outputs; with token slots the
+  /// state after every token is stored to its slot instead of a final state.
   void forward() {
+    if (p_.is_padded(n_)) {
+      for (int64_t t = 0; t < L_; ++t)
+        for (int64_t j = 0; j < r_; ++j)
+          for (int64_t e = 0; e < V_; ++e) p_.o(b_, t0_ + t, hv(j), e) = T_out(0);
+      return;
+    }
     std::vector<Acc> S(r_ * KV_), A(PS_);
     load_initial(S.data(), A.data());
     Token tok(K_, V_);
+    const int64_t* ts = p_.token_slots ? p_.token_slots + n_ * p_.token_ld : nullptr;
     for (int64_t t = 0; t < L_; ++t) {
       step(t, S.data(), A.data(), tok);
       for (int64_t j = 0; j < r_; ++j) write_o(t, j, S.data() + j * KV_, tok.qr.data());
+      if (ts && ts[t] >= 0) store_state(ts[t], S.data(), A.data());
     }
-    store_final(S.data(), A.data());
+    if (!ts && wi_ >= 0) store_state(wi_, S.data(), A.data());
   }
 
   /// Backward pass with checkpoints every `chunk` tokens (memory O(L / chunk * K * V) per head):
@@ -97,7 +108,7 @@ class GroupKernel {
         for (int64_t c = 0; c < K_; ++c)
           for (int64_t e = 0; e < V_; ++e) dS[j * KV_ + c * V_ + e] = Acc(p_.dhT(si_, hv(j), c, e));
     if constexpr (P::state != precond::State::none)
-      if (p_.daT.data) load_precond(p_.daT, dA.data());
+      if (p_.daT.data) load_precond(p_.daT, dA.data(), si_);
     Acc dcenter = 0;
     std::vector<Acc> Sprev(C * r_ * KV_), Aprev(C * std::max<int64_t>(PS_, 1));
     Grad gr(K_, V_, PS_);
@@ -118,7 +129,7 @@ class GroupKernel {
         for (int64_t c = 0; c < K_; ++c)
           for (int64_t e = 0; e < V_; ++e) p_.dh0(si_, hv(j), c, e) = S_out(dS[j * KV_ + c * V_ + e]);
     if constexpr (P::state != precond::State::none)
-      if (p_.da0.data) store_precond(p_.da0, dA.data());
+      if (p_.da0.data) store_precond(p_.da0, dA.data(), si_);
     *dcenter_out = dcenter;
   }
 
@@ -141,43 +152,46 @@ class GroupKernel {
   static T T_out(Acc v) { return static_cast<T>(v); }
 
   template <class V>
-  void load_precond(const TensorView<V>& a, Acc* dst) const {
+  void load_precond(const TensorView<V>& a, Acc* dst, int64_t si) const {
     if constexpr (P::state == precond::State::diagonal) {
-      for (int64_t c = 0; c < K_; ++c) dst[c] = Acc(a(si_, h_, c));
+      for (int64_t c = 0; c < K_; ++c) dst[c] = Acc(a(si, h_, c));
     } else {
       for (int64_t c = 0; c < K_; ++c)
-        for (int64_t e = 0; e < K_; ++e) dst[c * K_ + e] = Acc(a(si_, h_, c, e));
+        for (int64_t e = 0; e < K_; ++e) dst[c * K_ + e] = Acc(a(si, h_, c, e));
     }
   }
   template <class V>
-  void store_precond(const TensorView<V>& a, const Acc* src) const {
+  void store_precond(const TensorView<V>& a, const Acc* src, int64_t si) const {
     if constexpr (P::state == precond::State::diagonal) {
-      for (int64_t c = 0; c < K_; ++c) a(si_, h_, c) = static_cast<V>(src[c]);
+      for (int64_t c = 0; c < K_; ++c) a(si, h_, c) = static_cast<V>(src[c]);
     } else {
       for (int64_t c = 0; c < K_; ++c)
-        for (int64_t e = 0; e < K_; ++e) a(si_, h_, c, e) = static_cast<V>(src[c * K_ + e]);
+        for (int64_t e = 0; e < K_; ++e) a(si, h_, c, e) = static_cast<V>(src[c * K_ + e]);
     }
   }
 
+  /// The initial states of state ri_ (zeros / the default preconditioner state when absent or ri_ < 0).
   void load_initial(Acc* S, Acc* A) const {
+    const bool h0 = p_.h0.data && ri_ >= 0;
     for (int64_t j = 0; j < r_; ++j)
       for (int64_t c = 0; c < K_; ++c)
-        for (int64_t e = 0; e < V_; ++e) S[j * KV_ + c * V_ + e] = p_.h0.data ? Acc(p_.h0(si_, hv(j), c, e)) : Acc(0);
+        for (int64_t e = 0; e < V_; ++e) S[j * KV_ + c * V_ + e] = h0 ? Acc(p_.h0(ri_, hv(j), c, e)) : Acc(0);
     if constexpr (P::state != precond::State::none) {
-      if (p_.a0.data)
-        load_precond(p_.a0, A);
+      if (p_.a0.data && ri_ >= 0)
+        load_precond(p_.a0, A, ri_);
       else
         precond::init_state<P, Acc, Acc>(A, static_cast<const Acc*>(nullptr), 0, K_, c_);
     }
   }
 
-  void store_final(const Acc* S, const Acc* A) const {
+  /// Stores the states to state `si` of hT / aT (when given).
+  void store_state(int64_t si, const Acc* S, const Acc* A) const {
     if (p_.hT.data)
       for (int64_t j = 0; j < r_; ++j)
         for (int64_t c = 0; c < K_; ++c)
-          for (int64_t e = 0; e < V_; ++e) p_.hT(si_, hv(j), c, e) = S_out(S[j * KV_ + c * V_ + e]);
+          for (int64_t e = 0; e < V_; ++e) p_.hT(si, hv(j), c, e) = S_out(S[j * KV_ + c * V_ + e]);
     if constexpr (P::state != precond::State::none)
-      if (p_.aT.data) store_precond(p_.aT, A);
+      if (p_.aT.data) store_precond(p_.aT, A, si);
   }
 
   void save(Acc* dst, const Acc* S, const Acc* A) const {
@@ -364,7 +378,7 @@ class GroupKernel {
   }
 
   const dgps::detail::Problem<T>& p_;
-  int64_t n_, h_, r_, K_, V_, KV_, PS_, b_, t0_, L_, si_;
+  int64_t n_, h_, r_, K_, V_, KV_, PS_, b_, t0_, L_, si_, ri_, wi_;
   precond::Constants<Acc> c_;
 };
 
