@@ -310,15 +310,16 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   };
 
   // Intra-chunk matrices Bm (strictly lower, without beta; online only) and Aq (lower with the
-  // diagonal) (SPEC §4).
+  // diagonal) (SPEC §4); Bm only for Aq null (the checkpoint sweep).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
+    if (!Aq && !online) return;
     if (!diag) {
       intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm, Aq,
                    tmp);
       return;
     }
     std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
-    std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
+    if (Aq) std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
     for (int64_t i0 = 0; i0 < c; i0 += kSub) {
       const int64_t nb = imin(kSub, c - i0);
       // Rows j < jn through one product; the block's own pairs too when factorable, else one by one.
@@ -327,10 +328,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (jn > 0) {
         sub_block(cs, i0, nb, jn);
         transpose(jn, K, KWt, Kp, KWtT, Cp);
-        gemm(kSub + nb, round_up(jn, L), K, LQK, Kp, KWtT, Cp, Pb, Cp, false);  // columns >= jn unused
+        const int64_t o = Aq ? 0 : kSub;  // without Aq only the K rows
+        gemm(kSub + nb - o, round_up(jn, L), K, LQK + o * Kp, Kp, KWtT, Cp, Pb + o * Cp, Cp,
+             false);  // cols >= jn unused
         for (int64_t i = 0; i < nb; ++i)
           for (int64_t j = 0; j < imin(jn, i0 + i + 1); ++j) {
-            Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
+            if (Aq) Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
             if (online && j < i0 + i) Bm[(i0 + i) * Cp + j] = Pb[(kSub + i) * Cp + j];
           }
       }
@@ -345,8 +348,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
           exp_inplace(tmp, Kp);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
-          const T sq = dotv(q, tmp, Kp), sk = dotv(k, tmp, Kp);
-          Aq[i * Cp + j] = sq;
+          const T sq = Aq ? dotv(q, tmp, Kp) : T(0), sk = dotv(k, tmp, Kp);
+          if (Aq) Aq[i * Cp + j] = sq;
           if (online && j < i) Bm[i * Cp + j] = sk;
         }
       }
@@ -726,7 +729,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     T* Bm = Bms + cj * C * Cp;
     T* Aq = Aqs + cj * C * Cp;
     build(cs, c, hv, true);
-    intra(cs, c, Bm, Aq);
+    intra(cs, c, Bm, store ? Aq : nullptr);
     load_values(cs, c, hv);
     if (online) {
       gemm(c, Vp, K, Kd, Kp, S, ldv, G, ldv, false);
