@@ -1,10 +1,12 @@
-/// @brief dgps_bench_long: time and peak RSS of one CPU forward or backward (GDN or PGDN) of one long sequence.
+/// @brief dgps_bench_long: time and peak RSS of one CPU forward or backward (GDN, KDA or PGDN) of one long sequence.
 ///
-/// dgps_bench_long --model gdn|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] [--threads N] [--reps N]
-/// Prints one line: model, T, pass, best seconds of the reps, peak RSS (MiB) of the process and the
+/// dgps_bench_long --model gdn|kda|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] [--threads N] [--reps N]
+/// Prints one line: model, T, pass, best seconds of the reps (wall clock, then the process's CPU time: on a
+/// shared machine the CPU time of a one-thread run moves less with the load), peak RSS (MiB) of the process and the
 /// bytes of the call's own inputs and outputs (MiB). Run one pass per process: the peak RSS is the
 /// process's, so the backward's workspace is its peak minus the tensors.
 #include <sys/resource.h>
+#include <time.h>
 
 #include <chrono>
 #include <cstdio>
@@ -29,9 +31,9 @@ template <class R>
 int run(int64_t T, int64_t H, int64_t K, bool bwd, int threads, int reps, const char* name) {
   const int64_t V = K, tok = T * H;
   auto q = filled(tok * K, -1, 1, 1), k = filled(tok * K, -1, 1, 2), v = filled(tok * V, -1, 1, 3);
-  auto g = filled(tok, -0.3f, -0.01f, 4), beta = filled(tok, 0.1f, 0.9f, 5);
+  auto g = filled(R::decay_type::per_channel ? tok * K : tok, -0.3f, -0.01f, 4), beta = filled(tok, 0.1f, 0.9f, 5);
   auto gp = filled(tok, -0.3f, -0.01f, 6), bp = filled(tok, 0.3f, 1.0f, 7), center = filled(H, -1, 0.5f, 8);
-  std::vector<float> o(static_cast<size_t>(tok * V));
+  std::vector<float> o(static_cast<size_t>(bwd ? 0 : tok * V));  // (zero-filled: it counts in the RSS)
   const dgps::Shape sh{.batch = 1, .time = T, .heads = H, .v_heads = H, .key_dim = K, .value_dim = V};
   auto in = dgps::inputs<float>(sh, q.data(), k.data(), v.data());
   in.decay(g.data()).gain(beta.data());
@@ -39,25 +41,33 @@ int run(int64_t T, int64_t H, int64_t K, bool bwd, int threads, int reps, const 
   dgps::Options opt;
   opt.backend = dgps::Backend::cpu;
   opt.threads = threads;
-  double tensors = double(3 * tok * K + 4 * tok + H) * 4;
+  const int64_t gn = int64_t(g.size());
+  double tensors = double(3 * tok * K + gn + 3 * tok + H) * 4;
   std::vector<float> dq, dk, dv, dg, dbeta, dgp, dbp, dcenter, d_o;
   if (bwd) {
     d_o = filled(tok * V, -1, 1, 9);
     dq.resize(q.size()), dk.resize(k.size()), dv.resize(v.size()), dg.resize(g.size()), dbeta.resize(beta.size());
     dgp.resize(gp.size()), dbp.resize(bp.size()), dcenter.resize(center.size());
-    tensors += double(4 * tok * K + 4 * tok) * 4;
+    tensors += double(4 * tok * K + gn + 3 * tok) * 4;
   } else {
     tensors += double(tok * V) * 4;
   }
-  double best = 1e30;
+  double best = 1e30, best_cpu = 1e30;
+  auto cpu_now = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+  };
   for (int rep = 0; rep < reps; ++rep) {
+    const double c0 = cpu_now();
     const auto t0 = std::chrono::steady_clock::now();
     if (bwd) {
       dgps::Grads<float> gr;
       gr.dq = dgps::view<float>(dq.data(), {1, T, H, K});
       gr.dk = dgps::view<float>(dk.data(), {1, T, H, K});
       gr.dv = dgps::view<float>(dv.data(), {1, T, H, V});
-      gr.dg = dgps::view<float>(dg.data(), {1, T, H});
+      gr.dg = R::decay_type::per_channel ? dgps::view<float>(dg.data(), {1, T, H, K})
+                                         : dgps::view<float>(dg.data(), {1, T, H});
       gr.dbeta = dgps::view<float>(dbeta.data(), {1, T, H});
       if constexpr (std::is_same_v<R, dgps::PGDN>) {
         gr.dg_p = dgps::view<float>(dgp.data(), {1, T, H});
@@ -70,12 +80,14 @@ int run(int64_t T, int64_t H, int64_t K, bool bwd, int threads, int reps, const 
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = s < best ? s : best;
+    const double cs = cpu_now() - c0;
+    best_cpu = cs < best_cpu ? cs : best_cpu;
   }
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
-  std::printf("%s T=%lld H=%lld K=%lld %s %.4f s peak_rss %.1f MiB tensors %.1f MiB\n", name, static_cast<long long>(T),
-              static_cast<long long>(H), static_cast<long long>(K), bwd ? "bwd" : "fwd", best,
-              double(ru.ru_maxrss) / 1024, tensors / (1 << 20));
+  std::printf("%s T=%lld H=%lld K=%lld %s %.4f s cpu %.4f s peak_rss %.1f MiB tensors %.1f MiB\n", name,
+              static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(K), bwd ? "bwd" : "fwd",
+              best, best_cpu, double(ru.ru_maxrss) / 1024, tensors / (1 << 20));
   return 0;
 }
 
@@ -89,7 +101,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) {
       std::fprintf(stderr,
-                   "usage: dgps_bench_long --model gdn|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] "
+                   "usage: dgps_bench_long --model gdn|kda|pgdn --time T [--heads H] [--dim K] [--pass fwd|bwd] "
                    "[--threads N] [--reps N]\n");
       return 2;
     }
@@ -110,6 +122,7 @@ int main(int argc, char** argv) {
       reps = std::atoi(v);
   }
   const bool bwd = pass == "bwd";
+  if (model == "kda") return run<dgps::KDA>(T, H, K, bwd, threads, reps, "kda");
   if (model == "pgdn") return run<dgps::PGDN>(T, H, K, bwd, threads, reps, "pgdn");
   return run<dgps::GDN>(T, H, K, bwd, threads, reps, "gdn");
 }

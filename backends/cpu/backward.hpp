@@ -1,16 +1,21 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
-/// Included by kernel_impl.hpp into the per-ISA anonymous namespace. One task per (sequence n, key head h):
+/// Included by kernel_impl.hpp into the per-ISA anonymous namespace. One task per (sequence n, key head h).
+/// Without a training cache the sequence is cut into segments of kSegTokens (scratch.hpp): a checkpoint
+/// sweep keeps the state entering each segment (per value head) and the statistics entering it; then
+/// per segment, last to first:
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
-///     read queries / write keys (as the forward kernel does);
-///  2. per value head of the group, a forward sweep over chunks stores each chunk's entry state
-///     (transposed), its pseudo-values R (transposed) and its intra-chunk matrices; a reverse sweep
-///     then carries the state gradient dS from dhT to dh0, writes dv, dbeta and dg, and adds the
-///     gradients of the read queries, read keys and write keys of every token (summed over the
-///     group's value heads, GVA). With a training cache (KernelParams::saved, filled by the forward)
-///     there is no forward sweep: the reverse sweep reads each chunk's S_in, R, Aqk and Akk / beta
-///     from the cache, and runs step 1 chunk by chunk in the first value head's sweep (from the
-///     statistics entering the chunk, also saved), so that its input rows are prefetched meanwhile;
+///     read queries / write keys (as the forward kernel does) of the segment's tokens;
+///  2. per value head, a forward sweep over the segment's chunks from its checkpoint stores each chunk's
+///     entry state (transposed), its pseudo-values R (transposed) and its intra-chunk matrices; a
+///     reverse sweep then carries the state gradient dS (one per value head, from dhT to dh0), writes
+///     dv, dbeta and dg, and adds the gradients of the read queries, read keys and write keys (summed
+///     over the group's value heads, GVA). The recomputation repeats the same operations on the same
+///     operands (the same values as one sweep over the sequence); the workspace is
+///     O(T / (C seg) K V + seg C (K + V)) instead of O(T / C K V). With a training cache
+///     (KernelParams::saved, filled by the forward) there is no forward sweep: the reverse sweep reads
+///     each chunk's S_in, R, Aqk and Akk / beta from the cache, and runs step 1 chunk by chunk in the
+///     first value head's sweep (from the statistics entering the chunk, also saved);
 ///  3. a reverse token pass chains those through the preconditioner statistics (dk, dg_p, dbeta_p,
 ///     dcenter, da0) and through the L2 norm and scale (dq, dk); it runs chunk by chunk inside the
 ///     last value head's reverse sweep, while the chunk's token gradients are still in cache.
@@ -81,14 +86,17 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   const T* sv =
       p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block : nullptr;
   const bool cached = sv != nullptr;
-  const int64_t nst = cached ? 1 : nch;  // chunks held by the per-chunk stores
+  // Without the cache: chunks per segment, segments, chunks held by the per-chunk stores.
+  const int64_t seg = cached ? 1 : imin(backward_segment_chunks(C), nch);
+  const int64_t nseg = cached ? 1 : seg < 1 ? 0 : (nch + seg - 1) / seg;  // 0: an empty sequence
+  const int64_t nst = cached ? 1 : seg;
   // With the cache and one value head per key head, the per-token arrays hold one chunk's rows (the
   // token pass runs chunk by chunk, each chunk's rows consumed before the next): token t at row
   // t - tbase, tbase the chunk's first token (the same lines reused, where all of a 4096-token
   // sequence's rows took fresh ones: about 1 MB per head for PGDN).
   const bool local = cached && r == 1;
-  const int64_t rows = local ? C : len;
-  int64_t tbase = 0;
+  const int64_t rows = local ? C : cached ? len : imin(len, seg * C);
+  int64_t tbase = 0, cbase = 0;  // the first token of the per-token rows, the first chunk of the stores
   auto trow = [&](int64_t t) { return (t - tbase) * Kp; };
 
   // Workspace: two blocks carved by `big_layout` and `layout` (a first pass with base null only counts).
@@ -100,6 +108,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   T *dQr = nullptr, *dKn = nullptr, *dKW = nullptr;
   // Per chunk of one value head: S_in^T [Vd, ldk], R^T [Vd, ldr], R [C, ldv], Bm and Aq [C, Cp].
   T *SinT = nullptr, *RT = nullptr, *Rs = nullptr, *Bms = nullptr, *Aqs = nullptr, *rq = nullptr, *rk = nullptr;
+  // Without the cache: the state entering each segment [nseg, r, K, ldv], the statistics entering it.
+  T *Ck = nullptr, *Ack = nullptr;
   // Chunk operands and gradients.
   T *S = nullptr, *dS = nullptr, *dSg = nullptr, *Vb = nullptr, *G = nullptr, *R = nullptr, *Akk = nullptr,
     *Gam = nullptr;
@@ -124,26 +134,32 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
     const int64_t nt = rows * Kp;
-    const int64_t ng = (r == 1 ? C : len) * Kp;
+    const int64_t ng = (r == 1 ? C : rows) * Kp;
     take(Qn, nt), take(Kn, nt), take(dQr, ng), take(dKn, ng), take(dKW, ng), take(rq, rows), take(rk, rows);
     take(Qr, s.atq ? nt : 0), take(KW, s.atk ? nt : 0);  // otherwise aliases of Qn and Kn
     take(Mt, s.diag_pre ? nt : 0), take(At, s.diag_pre ? nt + Kp : 0), take(Dt, s.diag_pre ? nt : 0);
     if (At) At += Kp;  // row -1: the statistics entering the first row held
     take(SinT, nst * Vd * ldk), take(RT, nst * Vd * ldr), take(Rs, nst * C * ldv), take(Bms, nst * C * Cp);
     take(Aqs, nst * C * Cp);
+    take(Ck, cached ? 0 : (nseg > 0 ? nseg : 1) * r * K * ldv), take(Ack, !cached && s.diag_pre ? (nseg + 1) * Kp : 0);
     return off;
   };
   // One block kept by the thread across tasks and calls (ScratchLease): the per-token arrays and
   // stores, then the chunk operands (zeroed). A fresh allocation per task paid its page faults.
   const int64_t n_big = big_layout(nullptr);
-  auto grad_row = [&](int64_t t) { return (r == 1 ? t % C : t) * Kp; };
+  auto grad_row = [&](int64_t t) { return (r == 1 ? t % C : t - tbase) * Kp; };
+  // Row (b, t, hh) of the gradient view x (t a token index of the batch row, t0 included).
+  auto orow = [&](const auto& x, int64_t t, int64_t hh) {
+    return mptr<T>(x) + b * x.stride[0] + t * x.stride[1] + hh * x.stride[2];
+  };
   auto layout = [&](T* base) {
     int64_t off = 0;
     auto take = [&](T*& ptr, int64_t cnt) {
       ptr = base ? base + off : nullptr;
       off += round_up(cnt > 0 ? cnt : 1, 16);
     };
-    take(S, K * ldv), take(dST, cached ? 0 : Vd * ldk), take(dSg, nh * K * ldv), take(Vb, C * ldv), take(G, C * ldv);
+    take(S, K * ldv), take(dST, cached ? 0 : Vd * ldk), take(dSg, (cached ? nh : r) * K * ldv), take(Vb, C * ldv),
+        take(G, C * ldv);
     take(R, C * ldv), take(Akk, C * Cp);
     take(Gam, C * Kp), take(E, C * Kp), take(Ed, C * Kp), take(Kne, C * Kp), take(Qd, C * Kp), take(Kd, C * Kp);
     take(KWd, C * Kp), take(dQi, C * Kp), take(dKi, C * Kp), take(dKWi, C * Kp), take(dgam, C * Kp);
@@ -210,9 +226,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     if (s.atk)
       for (int64_t i = o; i < o + n; ++i) KW[i] = Kn[i] * Mt[i];
   };
-  // Without a training cache all at once; with one chunk by chunk in the first value head's reverse
-  // sweep (the forward saved the statistics entering each chunk), its rows prefetched meanwhile.
-  if (!cached) token_rows(0, len, A0);
+  // Without a training cache segment by segment (step 2); with one chunk by chunk in the first value
+  // head's reverse sweep (the forward saved the statistics entering each chunk), its rows prefetched
+  // meanwhile.
 
   // Chunk operands of tokens [cs, cs + c) for value head hv: gates, decay factors (E = e^gamma, Ed =
   // e^{gamma_C - gamma}: rows of channels for diagonal decay, one value per row otherwise), decayed
@@ -294,15 +310,16 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   };
 
   // Intra-chunk matrices Bm (strictly lower, without beta; online only) and Aq (lower with the
-  // diagonal) (SPEC §4).
+  // diagonal) (SPEC §4); Bm only for Aq null (the checkpoint sweep).
   auto intra = [&](int64_t cs, int64_t c, T* Bm, T* Aq) {
+    if (!Aq && !online) return;
     if (!diag) {
       intra_scalar(c, Cp, K, Kn + trow(cs), Qr + trow(cs), Kp, KWT, Gam, static_cast<const T*>(nullptr), online, Bm, Aq,
                    tmp);
       return;
     }
     std::memset(Bm, 0, size_t(C * Cp) * sizeof(T));
-    std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
+    if (Aq) std::memset(Aq, 0, size_t(C * Cp) * sizeof(T));
     for (int64_t i0 = 0; i0 < c; i0 += kSub) {
       const int64_t nb = imin(kSub, c - i0);
       // Rows j < jn through one product; the block's own pairs too when factorable, else one by one.
@@ -311,10 +328,12 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       if (jn > 0) {
         sub_block(cs, i0, nb, jn);
         transpose(jn, K, KWt, Kp, KWtT, Cp);
-        gemm(kSub + nb, round_up(jn, L), K, LQK, Kp, KWtT, Cp, Pb, Cp, false);  // columns >= jn unused
+        const int64_t o = Aq ? 0 : kSub;  // without Aq only the K rows
+        gemm(kSub + nb - o, round_up(jn, L), K, LQK + o * Kp, Kp, KWtT, Cp, Pb + o * Cp, Cp,
+             false);  // cols >= jn unused
         for (int64_t i = 0; i < nb; ++i)
           for (int64_t j = 0; j < imin(jn, i0 + i + 1); ++j) {
-            Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
+            if (Aq) Aq[(i0 + i) * Cp + j] = Pb[i * Cp + j];
             if (online && j < i0 + i) Bm[(i0 + i) * Cp + j] = Pb[(kSub + i) * Cp + j];
           }
       }
@@ -329,8 +348,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] = gi[ch] - gj[ch];
           exp_inplace(tmp, Kp);
           for (int64_t ch = 0; ch < Kp; ++ch) tmp[ch] *= w[ch];
-          const T sq = dotv(q, tmp, Kp), sk = dotv(k, tmp, Kp);
-          Aq[i * Cp + j] = sq;
+          const T sq = Aq ? dotv(q, tmp, Kp) : T(0), sk = dotv(k, tmp, Kp);
+          if (Aq) Aq[i * Cp + j] = sq;
           if (online && j < i) Bm[i * Cp + j] = sk;
         }
       }
@@ -391,9 +410,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t c = 0; c < K; ++c) dr[c] = kn[c] * kn[c];
       const T dbp = dotv(dAc, dr, K);
       dcenter_out[h - h0] += double(dc);
-      if (p.dg_p.data) mptr<T>(p.dg_p)[b * p.dg_p.stride[0] + ti * p.dg_p.stride[1] + h * p.dg_p.stride[2]] = dgp;
-      if (p.dbeta_p.data)
-        mptr<T>(p.dbeta_p)[b * p.dbeta_p.stride[0] + ti * p.dbeta_p.stride[1] + h * p.dbeta_p.stride[2]] = dbp;
+      if (p.dg_p.data) *orow(p.dg_p, ti, h) = dgp;
+      if (p.dbeta_p.data) *orow(p.dbeta_p, ti, h) = dbp;
     }
     if (p.dq.data) {
       // The normalised q: Qn / scale, or from the input row when scale is 0.
@@ -406,12 +424,9 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
           for (int64_t c = 0; c < K; ++c) qh[c] = x[c] * rq[t - tbase];
         }
       }
-      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn,
-                    mptr<T>(p.dq) + b * p.dq.stride[0] + ti * p.dq.stride[1] + h * p.dq.stride[2]);
+      norm_backward(qh, rq[t - tbase], K, p.l2norm, s.scale, dqn, orow(p.dq, ti, h));
     }
-    if (p.dk.data)
-      norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn,
-                    mptr<T>(p.dk) + b * p.dk.stride[0] + ti * p.dk.stride[1] + h * p.dk.stride[2]);
+    if (p.dk.data) norm_backward(kn, rk[t - tbase], K, p.l2norm, T(1), dkn, orow(p.dk, ti, h));
   };
 
   // Chunk ci of value head hv from the training cache: S_in^T and R^T (padding cleared as the forward
@@ -483,7 +498,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   auto reverse_chunk = [&](int64_t jh, int64_t ci, int64_t hn, int64_t csn) {
     const int64_t hv = h * r + jh, hvn = hn * r + jh;
     const int64_t cs = ci * C, c = imin(C, len - cs);
-    const int64_t cj = cached ? 0 : ci;  // index in the per-chunk stores
+    const int64_t cj = cached ? 0 : ci - cbase;  // index in the per-chunk stores
     const T* Bm = Bms + cj * C * Cp;
     const T* Aq = Aqs + cj * C * Cp;
     const T* SinTc = SinT + cj * Vd * ldk;
@@ -503,12 +518,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     // lines were evicted again by then, and the token pass stalled on its stores).
     if (jh == r - 1) {
       const int64_t ts = int64_t(sizeof(T));
-      if (p.dq.data)
-        tr.prefetch(mptr<T>(p.dq) + b * p.dq.stride[0] + (t0 + cs) * p.dq.stride[1] + h * p.dq.stride[2],
-                    p.dq.stride[1] * ts, c, K * ts, true);
-      if (p.dk.data)
-        tr.prefetch(mptr<T>(p.dk) + b * p.dk.stride[0] + (t0 + cs) * p.dk.stride[1] + h * p.dk.stride[2],
-                    p.dk.stride[1] * ts, c, K * ts, true);
+      if (p.dq.data) tr.prefetch(orow(p.dq, t0 + cs, h), p.dq.stride[1] * ts, c, K * ts, true);
+      if (p.dk.data) tr.prefetch(orow(p.dk, t0 + cs, h), p.dk.stride[1] * ts, c, K * ts, true);
     }
     // The strided input rows (one page each) of the (head, chunk) processed next; contiguous data (the
     // per-token arrays, the saved block) is left to the hardware prefetcher (measured faster).
@@ -522,12 +533,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
         tr.prefetch(s.krow(b, t0 + pc, hn), p.k.stride[1] * ts, cn, K * ts);
       }
       // Output rows written next (the stores then find their lines owned).
-      if (p.dv.data)
-        tr.prefetch(mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + pc) * p.dv.stride[1] + hvn * p.dv.stride[2],
-                    p.dv.stride[1] * ts, cn, Vd * ts, true);
-      if (diag && p.dg.data)
-        tr.prefetch(mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + pc) * p.dg.stride[1] + hvn * p.dg.stride[2],
-                    p.dg.stride[1] * ts, cn, K * ts, true);
+      if (p.dv.data) tr.prefetch(orow(p.dv, t0 + pc, hvn), p.dv.stride[1] * ts, cn, Vd * ts, true);
+      if (diag && p.dg.data) tr.prefetch(orow(p.dg, t0 + pc, hvn), p.dg.stride[1] * ts, cn, K * ts, true);
     }
     tr.plan(steps);
     for (int64_t i = 0; i < c; ++i) copy_row(dO + i * ldv, do_row(cs + i, hv), Vd);
@@ -543,7 +550,7 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       const T* v = s.vrow(b, t0 + cs + i, hv);
       dbet[i] = dotv(v, dX + i * ldv, Vd);
       if (p.dv.data) {
-        T* dv = mptr<T>(p.dv) + b * p.dv.stride[0] + (t0 + cs + i) * p.dv.stride[1] + hv * p.dv.stride[2];
+        T* dv = orow(p.dv, t0 + cs + i, hv);
         for (int64_t e = 0; e < Vd; ++e) dv[e] = Bt[i] * dX[i * ldv + e];
       }
     }
@@ -688,21 +695,18 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       for (int64_t ch = 0; ch < K; ++ch) dgam[(c - 1) * Kp + ch] += sumC[ch];
       if (p.dg.data) {
         if (diag) {
-          suffix_sums(dgam, Kp, c, K,
-                      mptr<T>(p.dg) + b * p.dg.stride[0] + (t0 + cs) * p.dg.stride[1] + hv * p.dg.stride[2],
-                      p.dg.stride[1]);
+          suffix_sums(dgam, Kp, c, K, orow(p.dg, t0 + cs, hv), p.dg.stride[1]);
         } else {
           T a = 0;
           for (int64_t i = c - 1; i >= 0; --i) {
             a += dotv(dgam + i * Kp, ones, K);
-            mptr<T>(p.dg)[b * p.dg.stride[0] + (t0 + cs + i) * p.dg.stride[1] + hv * p.dg.stride[2]] = a;
+            *orow(p.dg, t0 + cs + i, hv) = a;
           }
         }
       }
     }
     if (s.gain && p.dbeta.data)
-      for (int64_t i = 0; i < c; ++i)
-        mptr<T>(p.dbeta)[b * p.dbeta.stride[0] + (t0 + cs + i) * p.dbeta.stride[1] + hv * p.dbeta.stride[2]] = dbet[i];
+      for (int64_t i = 0; i < c; ++i) *orow(p.dbeta, t0 + cs + i, hv) = dbet[i];
     // dS_in = Diag(e^{gamma_C}) dS_out + Qd^T dO - Kd^T dX (one product over the stacked operands when
     // Qd and Kd are adjacent whole chunks, as dO and dX are; the decay applied by its row scales).
     if (online)
@@ -718,49 +722,79 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     tr.drain_all();
   };
 
-  // 2. Per value head: forward sweep (store S_in^T, R^T, Bm, Aq; skipped with a training cache), then
-  // the reverse sweep over chunks (which runs step 3 for the last value head); a group of several key
-  // heads sweeps chunk by chunk through all of them.
-  for (int64_t jh = 0; nh == 1 && jh < r; ++jh) {
-    const int64_t hv = h * r + jh;
-    std::memset(S, 0, size_t(K * ldv) * sizeof(T));
-    if (p.h0.data) {
-      const T* s0 = s.state(p.h0, si, hv);
-      for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * ldv, s0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+  // Forward sweep of chunk ci of value head hv: S (the chunk's entry state) becomes its exit state;
+  // with `store`, S_in^T, R^T, R, Bm and Aq are kept in slot ci - cbase of the per-chunk stores.
+  auto forward_chunk = [&](int64_t ci, int64_t hv, bool store) {
+    const int64_t cs = ci * C, c = imin(C, len - cs), cj = store ? ci - cbase : 0;
+    T* Bm = Bms + cj * C * Cp;
+    T* Aq = Aqs + cj * C * Cp;
+    build(cs, c, hv, true);
+    intra(cs, c, Bm, store ? Aq : nullptr);
+    load_values(cs, c, hv);
+    if (online) {
+      gemm(c, Vp, K, Kd, Kp, S, ldv, G, ldv, false);
+      for (int64_t i = 0; i < c; ++i)
+        for (int64_t e = 0; e < Vp; ++e) R[i * ldv + e] = Bt[i] * Vb[i * ldv + e] - G[i * ldv + e];
+      make_akk(c, Bm);
+      unit_solve(c, Vp, Akk, Cp, R, ldv, false);
+    } else {
+      for (int64_t i = 0; i < c; ++i)
+        for (int64_t e = 0; e < Vp; ++e) R[i * ldv + e] = Bt[i] * Vb[i * ldv + e];
     }
-    for (int64_t ci = 0; !cached && ci < nch; ++ci) {
-      const int64_t cs = ci * C, c = imin(C, len - cs);
-      T* Bm = Bms + ci * C * Cp;
-      T* Aq = Aqs + ci * C * Cp;
-      build(cs, c, hv, true);
-      intra(cs, c, Bm, Aq);
-      load_values(cs, c, hv);
-      if (online) {
-        gemm(c, Vp, K, Kd, Kp, S, ldv, G, ldv, false);
-        for (int64_t i = 0; i < c; ++i)
-          for (int64_t e = 0; e < Vp; ++e) R[i * ldv + e] = Bt[i] * Vb[i * ldv + e] - G[i * ldv + e];
-        make_akk(c, Bm);
-        unit_solve(c, Vp, Akk, Cp, R, ldv, false);
-      } else {
-        for (int64_t i = 0; i < c; ++i)
-          for (int64_t e = 0; e < Vp; ++e) R[i * ldv + e] = Bt[i] * Vb[i * ldv + e];
-      }
-      std::memcpy(Rs + ci * C * ldv, R, size_t(c * ldv) * sizeof(T));
-      T* st = SinT + ci * Vd * ldk;
-      T* rt = RT + ci * Vd * ldr;
+    if (store) {
+      std::memcpy(Rs + cj * C * ldv, R, size_t(c * ldv) * sizeof(T));
+      T* st = SinT + cj * Vd * ldk;
+      T* rt = RT + cj * Vd * ldr;
       transpose(K, Vd, S, ldv, st, ldk);
       transpose(c, Vd, R, ldv, rt, ldr);
       for (int64_t e = 0; e < Vd; ++e) {
         for (int64_t ch = K; ch < Kp; ++ch) st[e * ldk + ch] = 0;
         for (int64_t i = c; i < Cp; ++i) rt[e * ldr + i] = 0;
       }
-      gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, static_cast<Trickle<T>*>(nullptr),
-           decays ? eC : nullptr);  // S_out = Diag(e^{gamma_C}) S_in + KWdT R
     }
+    gemm(K, Vp, c, KWdT, Cp, R, ldv, S, ldv, true, Tri::none, static_cast<Trickle<T>*>(nullptr),
+         decays ? eC : nullptr);  // S_out = Diag(e^{gamma_C}) S_in + KWdT R
+  };
 
-    init_ds(hv);
+  // 2. Without a training cache: the checkpoint sweep over every segment but the last, then per
+  // segment in reverse the token pass, and per value head the segment's forward sweep (storing S_in^T,
+  // R^T, Bm, Aq) and its reverse sweep (which runs step 3 for the last value head).
+  if (!cached) {
+    auto ck = [&](int64_t sg, int64_t jh) { return Ck + (sg * r + jh) * K * ldv; };
+    // Segment sg (chunks [c0, c1)): the token pass, per value head the forward sweep from the segment's
+    // checkpoint, then the reverse sweep (`back`) or the checkpoint of the next segment.
+    auto segment = [&](int64_t sg, bool back) {
+      const int64_t c0 = sg * seg, c1 = imin(nch, c0 + seg);
+      tbase = c0 * C, cbase = c0;
+      token_rows(c0 * C, imin(len, c1 * C), s.diag_pre ? Ack + sg * Kp : A0);
+      if (s.diag_pre && !back) std::memcpy(Ack + (sg + 1) * Kp, At + trow(c1 * C - 1), size_t(Kp) * sizeof(T));
+      for (int64_t jh = 0; jh < r; ++jh) {
+        std::memcpy(S, ck(sg, jh), size_t(K * ldv) * sizeof(T));
+        for (int64_t ci = c0; ci < c1; ++ci) forward_chunk(ci, h * r + jh, back);
+        if (!back) std::memcpy(ck(sg + 1, jh), S, size_t(K * ldv) * sizeof(T));
+        dS = dSg + jh * K * ldv;
+        for (int64_t ci = c1 - 1; back && ci >= c0; --ci) reverse_chunk(jh, ci, h, ci > c0 ? (ci - 1) * C : -1);
+      }
+    };
+    for (int64_t jh = 0; jh < r; ++jh) {
+      T* s0c = ck(0, jh);
+      std::memset(s0c, 0, size_t(K * ldv) * sizeof(T));
+      if (p.h0.data) {
+        const T* s0 = s.state(p.h0, si, h * r + jh);
+        for (int64_t c = 0; c < K; ++c) std::memcpy(s0c + c * ldv, s0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+      }
+      dS = dSg + jh * K * ldv, init_ds(h * r + jh);
+    }
+    if (s.diag_pre) std::memcpy(Ack, A0, size_t(Kp) * sizeof(T));
+    for (int64_t sg = 0; sg + 1 < nseg; ++sg) segment(sg, false);
+    for (int64_t sg = nseg - 1; sg >= 0; --sg) segment(sg, true);
+    for (int64_t jh = 0; jh < r; ++jh) dS = dSg + jh * K * ldv, write_dh0(h * r + jh);
+  }
+  // With a training cache, one key head: the reverse sweep of each value head.
+  for (int64_t jh = 0; cached && nh == 1 && jh < r; ++jh) {
+    init_ds(h * r + jh);
     for (int64_t ci = nch - 1; ci >= 0; --ci) reverse_chunk(jh, ci, h, ci > 0 ? (ci - 1) * C : -1);
-    write_dh0(hv);
+    write_dh0(h * r + jh);
   }
   if (nh > 1) {  // training cache, r = 1: the group's heads chunk by chunk
     for (int64_t j = 0; j < nh; ++j) select_head(j), init_ds(h);

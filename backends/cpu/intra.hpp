@@ -32,14 +32,14 @@ void gate_row(const T* Gam, int64_t i, int64_t Cp, T* out) {
 /// e^{gamma_i - gamma_j} (Qr_i . KW_j) for j <= i and, online, Bm[i,j] = w_i e^{gamma_i - gamma_j}
 /// (Kn_i . KW_j) for j < i, with w = beta (w = 1 when beta is null); zero elsewhere. Kn and Qr have rows
 /// of ldk, KWT is KW^T (K x Cp, columns >= c zero); tmp holds Cp values. `Bu`, when given (online),
-/// gets Bm with w = 1 (the forward's training cache), Bm itself keeping the same rounding.
+/// gets Bm with w = 1 (the forward's training cache), Bm itself keeping the same rounding. Aq null: Bm only.
 template <class T>
 void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, int64_t ldk, const T* KWT, const T* Gam,
                   const T* beta, bool online, T* Bm, T* Aq, T* tmp, T* Bu = nullptr) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   if (online) gemm(c, Cp, K, Kn, ldk, KWT, Cp, Bm, Cp, false, Tri::c_lower);
-  gemm(c, Cp, K, Qr, ldk, KWT, Cp, Aq, Cp, false, Tri::c_lower);
+  if (Aq) gemm(c, Cp, K, Qr, ldk, KWT, Cp, Aq, Cp, false, Tri::c_lower);
   const V iota = iota_v<T>();
   for (int64_t i = 0; i < c; ++i) {
     gate_row(Gam, i, Cp, tmp);
@@ -47,7 +47,7 @@ void intra_scalar(int64_t c, int64_t Cp, int64_t K, const T* Kn, const T* Qr, in
     // Selects, not products: the entries above the diagonal that c_lower skips are stale.
     for (int64_t j = 0; j < Cp; j += L) {
       const V jv = iota + T(j), f = vload(tmp + j);
-      vstore(Aq + i * Cp + j, sel(jv <= vsplat(T(i)), f * vload(Aq + i * Cp + j), V{}));
+      if (Aq) vstore(Aq + i * Cp + j, sel(jv <= vsplat(T(i)), f * vload(Aq + i * Cp + j), V{}));
       if (online) {
         const V raw = vload(Bm + i * Cp + j);
         if (Bu) vstore(Bu + i * Cp + j, sel(jv < vsplat(T(i)), f * raw, V{}));

@@ -213,3 +213,27 @@ TEST_CASE("cpu backward: without the L2 norm, custom scale and scale 0, f64 1e-9
       CHECK(e < 1e-9);
     }
 }
+
+// Without a training cache the backward sweeps segments of 4096 tokens (backends/cpu/scratch.hpp,
+// kSegTokens) from checkpointed states: sequences of several segments, a last segment of a few tokens,
+// GVA (a state and a state gradient per value head across segments), varlen, odd chunks.
+TEST_CASE(
+    "cpu backward: sequences over several 4096-token segments, GVA, varlen, every covered combination, f64 1e-9") {
+  uint64_t seed = 1300;
+  for (const auto& spec : covered_specs()) {
+    Gen gen;
+    gen.h0 = gen.a0 = true;
+    gen.final_grads = true;
+    const Case c =
+        random_case(spec, {.batch = 1, .time = 13000, .heads = 1, .v_heads = 2, .key_dim = 16, .value_dim = 8},
+                    {0, 4100, 4100, 13000}, ++seed, gen);
+    const Arrays ref = gold_grads(c);
+    for (int64_t chunk : {64, 7}) {
+      const Arrays d = run_backward<double>(c, chunkwise(chunk));
+      std::string which;
+      const double e = worst(d, ref, &which);
+      INFO(dgps::to_string(spec) << " chunk " << chunk << " worst " << which << " " << e);
+      CHECK(e < 1e-9);
+    }
+  }
+}
