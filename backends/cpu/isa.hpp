@@ -28,6 +28,7 @@ struct IsaKernels {
 /// Defined in kernel_<isa>.cpp (only for the instruction sets this build compiles).
 namespace avx512 { IsaKernels table(); }
 namespace avx2 { IsaKernels table(); }
+namespace neon64 { IsaKernels table(); }
 namespace generic { IsaKernels table(); }
 
 }  // namespace dgps::cpu::kernels

@@ -2,8 +2,9 @@
 ///
 /// The header side (dgps/cpu/backend.hpp) converts a validated detail::Problem<T> into KernelParams
 /// and calls one of the entry points below. The kernels are compiled once per instruction set
-/// (AVX-512, AVX2+FMA, generic) and chosen at run time in one place (backends/cpu/dispatch.cpp);
-/// the environment variable DGPS_MAX_CPU_ISA (avx512 | avx2 | generic) caps the choice.
+/// (AVX-512, AVX2+FMA, generic on x86; NEON64, generic on aarch64) and chosen at run time in one place
+/// (backends/cpu/dispatch.cpp); the environment variable DGPS_MAX_CPU_ISA (avx512 | avx2 | neon64 | generic) caps
+/// the choice.
 #pragma once
 
 #include <cstdint>
@@ -63,7 +64,7 @@ struct KernelParams {
 
 using dgps::chunkwise_covers;
 
-/// Name of the instruction set the kernels use in this process: "avx512", "avx2" or "generic".
+/// Name of the instruction set the kernels use in this process: "avx512", "avx2", "neon64" or "generic".
 const char* isa_name();
 
 /// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given,
