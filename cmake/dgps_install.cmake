@@ -1,4 +1,5 @@
-# @brief cmake --install rules: headers, targets exported as dgps::<name>, dgpsConfig.cmake and its version file.
+# @brief cmake --install rules: headers, targets exported as dgps::<name>, dgpsConfig.cmake and its version file,
+# dgps.pc for pkg-config.
 #
 # DGPS_INSTALL_TARGETS is the list of targets installed and exported (namespace dgps::, name = the target's
 # EXPORT_NAME). It always holds dgps (dgps::dgps) and dgps_dynamic (dgps::dynamic), and dgps_cuda (dgps::cuda) when
@@ -107,7 +108,10 @@ function(_dgps_find_dependency_lines out indent)
 endfunction()
 
 get_property(_dgps_extra_targets GLOBAL PROPERTY DGPS_INSTALL_TARGETS)
-list(PREPEND DGPS_INSTALL_TARGETS dgps dgps_dynamic)
+list(PREPEND DGPS_INSTALL_TARGETS dgps)
+if(TARGET dgps_dynamic)
+  list(APPEND DGPS_INSTALL_TARGETS dgps_dynamic)
+endif()
 if(TARGET dgps_cuda)
   list(APPEND DGPS_INSTALL_TARGETS dgps_cuda)
 endif()
@@ -162,11 +166,35 @@ install(EXPORT dgpsTargets NAMESPACE dgps:: FILE dgpsTargets.cmake DESTINATION $
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dgpsConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/dgpsConfig.cmake INSTALL_DESTINATION ${DGPS_INSTALL_CMAKEDIR})
+# While the major version is 0 a minor release may break the API: only the same major.minor is compatible.
+if(PROJECT_VERSION_MAJOR EQUAL 0)
+  set(_dgps_compatibility SameMinorVersion)
+else()
+  set(_dgps_compatibility SameMajorVersion)
+endif()
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/dgpsConfigVersion.cmake VERSION ${PROJECT_VERSION}
-                                 COMPATIBILITY SameMajorVersion)
+                                 COMPATIBILITY ${_dgps_compatibility})
 install(FILES ${PROJECT_BINARY_DIR}/dgpsConfig.cmake ${PROJECT_BINARY_DIR}/dgpsConfigVersion.cmake
         DESTINATION ${DGPS_INSTALL_CMAKEDIR})
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})
+
+# pkg-config: dgps.pc (the headers, the CPU kernels and their dependencies) and, with dgps::dynamic, dgps-dynamic.pc.
+# The prefix is relative to the .pc file, so the installed tree can move.
+set(DGPS_PKGCONFIG_DIR ${CMAKE_INSTALL_LIBDIR}/pkgconfig CACHE STRING "Where dgps.pc is installed")
+file(RELATIVE_PATH _dgps_pc_to_prefix /_dgps/${DGPS_PKGCONFIG_DIR} /_dgps)
+string(REGEX REPLACE "/$" "" _dgps_pc_to_prefix "${_dgps_pc_to_prefix}")
+set(DGPS_PC_CFLAGS "")
+set(DGPS_PC_REQUIRES "")
+if(DGPS_HAS_TBB)
+  string(APPEND DGPS_PC_CFLAGS " -DDGPS_HAS_TBB=1")
+  set(DGPS_PC_REQUIRES "tbb")
+endif()
+configure_file(${PROJECT_SOURCE_DIR}/cmake/dgps.pc.in ${PROJECT_BINARY_DIR}/dgps.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/dgps.pc DESTINATION ${DGPS_PKGCONFIG_DIR})
+if(TARGET dgps_dynamic)
+  configure_file(${PROJECT_SOURCE_DIR}/cmake/dgps-dynamic.pc.in ${PROJECT_BINARY_DIR}/dgps-dynamic.pc @ONLY)
+  install(FILES ${PROJECT_BINARY_DIR}/dgps-dynamic.pc DESTINATION ${DGPS_PKGCONFIG_DIR})
+endif()
 
 # The `dgps` command-line tool (examples/), when built: installed, not exported.
 if(TARGET dgps_tool)

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -54,6 +55,16 @@ struct IsaCap {
   IsaCap(const IsaCap&) = delete;
   IsaCap& operator=(const IsaCap&) = delete;
 };
+
+/// The DGPS_MAX_CPU_ISA caps that select each CPU kernel unit of this architecture, lowest first (a cap above what
+/// the CPU runs selects its best unit).
+#if defined(__aarch64__)
+inline constexpr const char* kCpuIsas[] = {"generic", "neon64"};
+#else
+inline constexpr const char* kCpuIsas[] = {"generic", "avx2", "avx512"};
+#endif
+/// The lowest and the highest of them.
+inline constexpr const char* kCpuIsaEnds[] = {kCpuIsas[0], kCpuIsas[std::size(kCpuIsas) - 1]};
 
 /// Every combination the CPU chunkwise kernels cover (3 decays x 2 gains x 3 preconditioners x 2 solves).
 inline std::vector<dgps::ModelSpec> covered_specs() {

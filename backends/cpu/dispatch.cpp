@@ -1,8 +1,8 @@
 /// @brief Run-time instruction-set selection (in one place) and the parallel drivers of the CPU leaf kernels.
 ///
 /// Compiled with the baseline flags only. The ISA is the best one the CPU supports among those this
-/// build compiled (DGPS_CPU_HAVE_AVX512 / DGPS_CPU_HAVE_AVX2), capped by DGPS_MAX_CPU_ISA
-/// (avx512 | avx2 | generic), which is read on every call.
+/// build compiled (DGPS_CPU_HAVE_AVX512 / DGPS_CPU_HAVE_AVX2 on x86, DGPS_CPU_HAVE_NEON64 on aarch64), capped by
+/// DGPS_MAX_CPU_ISA (avx512 | avx2 | neon64 | generic), which is read on every call.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +13,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
 #include "dgps/cpu/kernels.hpp"
 #include "dgps/detail/parallel.hpp"
 #include "isa.hpp"
@@ -22,7 +26,8 @@ namespace dgps::cpu::kernels {
 
 namespace {
 
-enum class Level { generic = 0, avx2 = 1, avx512 = 2 };
+/// The levels in order; neon64 (aarch64) ranks with avx2 (x86): a build compiles one family only.
+enum class Level { generic = 0, avx2 = 1, neon64 = 1, avx512 = 2 };
 
 /// The best level this CPU runs (cached: CPU features do not change).
 Level cpu_level() {
@@ -33,6 +38,10 @@ Level cpu_level() {
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
       return Level::avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::avx2;
+#elif defined(__aarch64__) && defined(__linux__)
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) return Level::neon64;
+#elif defined(__aarch64__)
+    return Level::neon64;  // Advanced SIMD is part of the aarch64 baseline
 #endif
     return Level::generic;
   }();
@@ -44,7 +53,7 @@ Level env_cap() {
   const char* env = std::getenv("DGPS_MAX_CPU_ISA");
   if (!env || !*env) return Level::avx512;
   if (std::strcmp(env, "generic") == 0) return Level::generic;
-  if (std::strcmp(env, "avx2") == 0) return Level::avx2;
+  if (std::strcmp(env, "avx2") == 0 || std::strcmp(env, "neon64") == 0) return Level::avx2;
   return Level::avx512;
 }
 
@@ -56,17 +65,23 @@ IsaKernels select() {
 #if defined(DGPS_CPU_HAVE_AVX2)
   if (want >= Level::avx2) return avx2::table();
 #endif
+#if defined(DGPS_CPU_HAVE_NEON64)
+  if (want >= Level::neon64) return neon64::table();
+#endif
   (void)want;
   return generic::table();
 }
 
 /// Name strings with static storage for every ISA and operation.
 const char* impl_name(const char* op, const char* isa) {
-  static const std::string names[2][3] = {
-      {"cpu/chunkwise/avx512", "cpu/chunkwise/avx2", "cpu/chunkwise/generic"},
-      {"cpu/decode/avx512", "cpu/decode/avx2", "cpu/decode/generic"}};
+  static const std::string names[2][4] = {
+      {"cpu/chunkwise/avx512", "cpu/chunkwise/avx2", "cpu/chunkwise/neon64", "cpu/chunkwise/generic"},
+      {"cpu/decode/avx512", "cpu/decode/avx2", "cpu/decode/neon64", "cpu/decode/generic"}};
   const int o = std::strcmp(op, "chunkwise") == 0 ? 0 : 1;
-  const int i = std::strcmp(isa, "avx512") == 0 ? 0 : std::strcmp(isa, "avx2") == 0 ? 1 : 2;
+  const int i = std::strcmp(isa, "avx512") == 0 ? 0
+                : std::strcmp(isa, "avx2") == 0 ? 1
+                : std::strcmp(isa, "neon64") == 0 ? 2
+                                                  : 3;
   return names[o][i].c_str();
 }
 

@@ -25,9 +25,11 @@ struct IsaKernels {
   void (*squash_lanes)(const float* A, int64_t n, float center, float log_x, float eps, float* out);
 };
 
-/// Defined in kernel_<isa>.cpp (only for the instruction sets this build compiles).
-namespace avx512 { IsaKernels table(); }
-namespace avx2 { IsaKernels table(); }
-namespace generic { IsaKernels table(); }
+/// Defined in kernel_<isa>.cpp (only for the instruction sets this build compiles); exported from a shared build for
+/// the tests that call one unit directly (tests/cpu/test_cpu_simd.cpp).
+namespace avx512 { DGPS_API IsaKernels table(); }
+namespace avx2 { DGPS_API IsaKernels table(); }
+namespace neon64 { DGPS_API IsaKernels table(); }
+namespace generic { DGPS_API IsaKernels table(); }
 
 }  // namespace dgps::cpu::kernels

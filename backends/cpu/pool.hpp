@@ -24,6 +24,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define DGPS_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define DGPS_CPU_RELAX() __asm__ __volatile__("yield")
 #else
 #define DGPS_CPU_RELAX() ((void)0)
 #endif

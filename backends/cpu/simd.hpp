@@ -2,7 +2,8 @@
 /// xsimd), loads, stores, masks, lane sums, and the operations xsimd lacks, each one small helper per ISA.
 ///
 /// Every kernel_<isa>.cpp unit picks its xsimd architecture here at compile time from its flags (AVX-512BW,
-/// AVX2 + FMA3, SSE2 / NEON64 for the generic unit); the run-time choice among the units stays in dispatch.cpp
+/// AVX2 + FMA3, SSE2 for the generic unit on x86, NEON64 for the
+/// neon64 unit on aarch64, whose generic unit takes the plain loops); the run-time choice among the units stays in dispatch.cpp
 /// (xsimd's own dispatch is not used). Each unit names a different architecture, so no xsimd instantiation is
 /// shared between units compiled with different flags.
 #pragma once
@@ -21,7 +22,8 @@
 #define DGPS_ISA_NS generic
 #endif
 
-#if defined(DGPS_CPU_XSIMD) && (defined(__SSE2__) || defined(__aarch64__))
+// DGPS_CPU_PLAIN_LOOPS: a unit that uses the plain loops even with xsimd (the generic unit on aarch64).
+#if defined(DGPS_CPU_XSIMD) && !defined(DGPS_CPU_PLAIN_LOOPS) && (defined(__SSE2__) || defined(__aarch64__))
 #define DGPS_CPU_SIMD_XSIMD 1
 #include <xsimd/xsimd.hpp>
 // The per-ISA helpers on x86 registers (an xsimd batch converts to and from its register).

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <dgps/backend.hpp>
+#include <dgps/cpu/kernels.hpp>
 #include <dgps/dynamic.hpp>
 #include <dgps/version.hpp>
 
@@ -13,15 +14,6 @@
 namespace dgps_tool {
 
 namespace {
-
-/// The widest x86 vector ISA this CPU supports, as the CPU backend would select it.
-std::string cpu_isa() {
-#if defined(__x86_64__) || defined(__i386__)
-  if (__builtin_cpu_supports("avx512f")) return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2+fma";
-#endif
-  return "generic";
-}
 
 /// The implementation the CPU backend picks for a PGDN prefill (T = 128, K = V = 64, float): what `run`
 /// and `bench` use for problems of that kind.
@@ -45,7 +37,7 @@ int cmd_info(const Args&) {
   for (dgps::Backend b : dgps::available_backends())
     backends += std::string(backends.empty() ? "" : " ") + to_string(b);
   std::printf("backends: %s\n", backends.c_str());
-  std::printf("cpu isa: %s\n", cpu_isa().c_str());
+  std::printf("cpu isa: %s\n", dgps::cpu::kernels::isa_name());  // (the selection, DGPS_MAX_CPU_ISA applied)
   std::printf("cpu implementation (pgdn, f32): %s\n", cpu_impl().c_str());
 #if defined(DGPS_HAS_TBB)
   const char* runtime = "oneTBB";

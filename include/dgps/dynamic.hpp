@@ -9,6 +9,7 @@
 
 #include <type_traits>
 
+#include "dgps/export.hpp"
 #include "dgps/recurrence.hpp"
 #include "dgps/types.hpp"
 
@@ -16,14 +17,14 @@ namespace dgps::dynamic {
 
 /// dgps::forward for the model that `spec` names.
 template <class T>
-RunInfo forward(const ModelSpec& spec, const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {});
+DGPS_API RunInfo forward(const ModelSpec& spec, const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {});
 /// dgps::backward for the model that `spec` names.
 template <class T>
-RunInfo backward(const ModelSpec& spec, const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads,
+DGPS_API RunInfo backward(const ModelSpec& spec, const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& grads,
                  const Options& opt = {});
 /// dgps::decode for the model that `spec` names.
 template <class T>
-RunInfo decode(const ModelSpec& spec, const DecodeState<T>& state, const Inputs<T>& tokens,
+DGPS_API RunInfo decode(const ModelSpec& spec, const DecodeState<T>& state, const Inputs<T>& tokens,
                std::type_identity_t<Out<T>> o, const Options& opt = {});
 
 extern template RunInfo forward<float>(const ModelSpec&, const Inputs<float>&, const Outputs<float>&, const Options&);

@@ -178,8 +178,8 @@ TEST_CASE("training cache: strong decay, zero keys, forward and backward on diff
     const dgps::Options opt = chunkwise(64);
     const Arrays plain = bench.backward(opt, nullptr);
     const Arrays ref = run_backward<double>(c, on(dgps::Backend::reference));
-    for (const char* fwd_isa : {"generic", "avx2", "avx512"})
-      for (const char* bwd_isa : {"generic", "avx512"}) {
+    for (const char* fwd_isa : kCpuIsas)
+      for (const char* bwd_isa : kCpuIsaEnds) {
         dgps::TrainingCache cache;
         {
           IsaCap cap(fwd_isa);

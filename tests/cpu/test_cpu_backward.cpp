@@ -32,7 +32,7 @@ TEST_CASE("cpu backward: every covered conformance case, chunk 16 and 64, every 
   for (const auto& name : case_names()) {
     const Case c = load_case(name);
     if (!dgps::cpu::kernels::chunkwise_covers(c.spec)) continue;
-    for (const char* isa : {"generic", "avx2", "avx512"}) {
+    for (const char* isa : kCpuIsas) {
       IsaCap cap(isa);
       for (int64_t chunk : {16, 64}) {
         dgps::Options o = chunkwise(chunk);

@@ -15,7 +15,7 @@ namespace {
 
 namespace dk = dgps::decay;
 
-const char* const kIsas[] = {"generic", "avx2", "avx512"};
+const auto& kIsas = kCpuIsas;
 
 dgps::Options chunkwise(int64_t chunk, int threads = 2) {
   dgps::Options o = on(dgps::Backend::cpu, threads);

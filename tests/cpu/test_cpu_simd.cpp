@@ -25,6 +25,8 @@ std::vector<IsaKernels> runnable_isas() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
     isas.push_back(dgps::cpu::kernels::avx512::table());
+#elif defined(__aarch64__)
+  isas.push_back(dgps::cpu::kernels::neon64::table());  // (Advanced SIMD: aarch64 baseline)
 #endif
   return isas;
 }

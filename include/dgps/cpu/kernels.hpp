@@ -2,12 +2,14 @@
 ///
 /// The header side (dgps/cpu/backend.hpp) converts a validated detail::Problem<T> into KernelParams
 /// and calls one of the entry points below. The kernels are compiled once per instruction set
-/// (AVX-512, AVX2+FMA, generic) and chosen at run time in one place (backends/cpu/dispatch.cpp);
-/// the environment variable DGPS_MAX_CPU_ISA (avx512 | avx2 | generic) caps the choice.
+/// (AVX-512, AVX2+FMA, generic on x86; NEON64, generic on aarch64) and chosen at run time in one place
+/// (backends/cpu/dispatch.cpp); the environment variable DGPS_MAX_CPU_ISA (avx512 | avx2 | neon64 | generic) caps
+/// the choice.
 #pragma once
 
 #include <cstdint>
 
+#include "dgps/export.hpp"
 #include "dgps/model_spec.hpp"
 
 namespace dgps::cpu::kernels {
@@ -73,13 +75,13 @@ struct KernelParams {
 
 using dgps::chunkwise_covers;
 
-/// Name of the instruction set the kernels use in this process: "avx512", "avx2" or "generic".
-const char* isa_name();
+/// Name of the instruction set the kernels use in this process: "avx512", "avx2", "neon64" or "generic".
+DGPS_API const char* isa_name();
 
 /// Chunkwise forward (SPEC §4) of a call `chunkwise_covers` accepts: writes o, and hT/aT when given,
 /// and the training cache when `saved` and `save` are set. Parallel over (sequence, value head) on
 /// `threads` threads. Returns "cpu/chunkwise/<isa>".
-const char* chunkwise_forward(const KernelParams& p);
+DGPS_API const char* chunkwise_forward(const KernelParams& p);
 
 /// Chunkwise backward (SPEC §4, paper App. D) of a call `chunkwise_covers` accepts: writes every
 /// gradient whose view is given (dq .. dcenter, dh0, da0) for the cotangents d_o and, when given,
@@ -87,11 +89,11 @@ const char* chunkwise_forward(const KernelParams& p);
 /// the training cache instead of recomputing them with a forward sweep. Parallel over (sequence, key
 /// head); dcenter is reduced over sequences in a fixed order.
 /// Returns "cpu/chunkwise/<isa>".
-const char* chunkwise_backward(const KernelParams& p);
+DGPS_API const char* chunkwise_backward(const KernelParams& p);
 
 /// Decode of `p.T` tokens per sequence (SPEC §2 token by token) for every model: reads the states
 /// from h0/a0 and writes them to hT/aT (the same memory is allowed: states are updated in place).
 /// Returns "cpu/decode/<isa>".
-const char* decode(const KernelParams& p);
+DGPS_API const char* decode(const KernelParams& p);
 
 }  // namespace dgps::cpu::kernels

@@ -1,6 +1,12 @@
-/// @brief Consumer of the installed dgps: PGDN on the automatic backend vs the reference, and GDN via dgps::dynamic.
+/// @brief Consumer of the installed dgps: PGDN on the automatic backend vs the reference, and GDN via dgps::dynamic
+/// (when DGPS_CONSUMER_DYNAMIC is 1: an install with dgps::dynamic).
 #include <dgps/dgps.hpp>
+#ifndef DGPS_CONSUMER_DYNAMIC
+#define DGPS_CONSUMER_DYNAMIC 1
+#endif
+#if DGPS_CONSUMER_DYNAMIC
 #include <dgps/dynamic.hpp>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -74,6 +80,7 @@ int main() {
     });
     std::printf("dgps %s, PGDN ran on %s\n", dgps::version_string, info.impl.c_str());
     check("dgps::forward<PGDN> vs reference", o_pgdn, o_pgdn_ref);
+#if DGPS_CONSUMER_DYNAMIC
 
     const dgps::ModelSpec gdn = dgps::model_by_name("gdn");
     const auto in_gdn = dgps::inputs<float>(shape, q.data(), k.data(), v.data()).decay(g.data()).gain(beta.data());
@@ -83,6 +90,16 @@ int main() {
     });
     std::printf("GDN through dgps::dynamic ran on %s\n", info.impl.c_str());
     check("dgps::dynamic::forward(gdn) vs reference", o_gdn, o_gdn_ref);
+#endif
+    // A bad call throws dgps::Error across the library boundary (a shared build exports its type).
+    bool threw = false;
+    try {
+      dgps::forward<dgps::PGDN>(dgps::inputs<float>(shape, q.data(), nullptr, v.data()), dgps::outputs<float>(nullptr));
+    } catch (const dgps::Error&) {
+      threw = true;
+    }
+    std::printf("%-42s %s\n", "a bad call throws dgps::Error", threw ? "ok" : "FAILED");
+    failures += !threw;
   } catch (const dgps::Error& e) {
     std::fprintf(stderr, "dgps error: %s\n", e.what());
     return 1;
