@@ -48,7 +48,7 @@ void run(Bytes& b) {
   s.value_dim = b.pick(1, 6);
   if (b.u8() == 7) s.v_heads = b.pick(0, 3);  // possibly not a multiple of heads, or 0
   if (b.u8() == 7) s.time = -1;
-  const int64_t B = s.batch, Tn = std::max<int64_t>(s.time, 0), H = s.heads, HV = std::max<int64_t>(s.v_heads, 1);
+  const int64_t B = s.batch, Tn = std::max<int64_t>(s.time, 0), H = s.heads, HV = s.v_heads == 0 ? H : s.v_heads;  // SPEC: 0 means heads
   const int64_t K = s.key_dim, V = s.value_dim;
 
   std::vector<int64_t> cu;
