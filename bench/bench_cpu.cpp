@@ -12,7 +12,10 @@
 /// prefix (ratio = its time over the chunkwise backward's on the same prefix); the backward's GFLOP/s
 /// counts twice the forward's FLOPs. Usage:
 /// dgps_bench_cpu [--quick] [--json FILE] [--threads 1,2] [--reps N] [--only LIST]
-/// where LIST has prefill,batch,fwdbwd,decode,sweep.
+/// where LIST has prefill,batch,fwdbwd,decode,sweep,exact. The exact group times the exact preconditioners
+/// (Mesa layer, ridge readout) on their vectorised recurrence; their FLOPs per token and key head add
+/// the inverse Gram's pass, 4K^2 (ExactATK: the rank-1 update and the next token's P k) or 6K^2
+/// (ExactATQ: also P q), to decode's 6KV (Online) or 4KV (Offline).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -112,7 +115,7 @@ struct Args {
   std::string json;
   std::vector<int> threads{1, 2};
   int reps = 3;
-  std::string only = "prefill,batch,fwdbwd,decode,sweep";
+  std::string only = "prefill,batch,fwdbwd,decode,sweep,exact";
 };
 
 struct Record {
@@ -152,7 +155,7 @@ struct Problem {
     if constexpr (R::decay_type::needs_g) in.decay(R::decay_type::per_channel ? gd.data() : g.data());
     if constexpr (R::gain_type::needs_beta) in.gain(beta.data());
     if constexpr (dgps::precond::needs_gates<typename R::precond_type>)
-      in.precond(gp.data(), bp.data(), center.data());
+      in.precond(gp.data(), bp.data(), dgps::precond::needs_center<typename R::precond_type> ? center.data() : nullptr);
     return in;
   }
 };
@@ -172,7 +175,7 @@ struct ProblemBf16 {
     if constexpr (R::decay_type::needs_g) in.decay(R::decay_type::per_channel ? gd.data() : g.data());
     if constexpr (R::gain_type::needs_beta) in.gain(beta.data());
     if constexpr (dgps::precond::needs_gates<typename R::precond_type>)
-      in.precond(gp.data(), bp.data(), center.data());
+      in.precond(gp.data(), bp.data(), dgps::precond::needs_center<typename R::precond_type> ? center.data() : nullptr);
     return in;
   }
 };
@@ -188,7 +191,12 @@ float* aligned_floats(std::vector<float>& buf, size_t n) {
 
 template <class R>
 double flops_per_token_head(int64_t K, int64_t V, int64_t C) {
-  if constexpr (R::solve_type::kind == dgps::solve::Kind::online)
+  constexpr auto pk = dgps::spec_of<R>().precond;
+  if constexpr (pk == dgps::precond::Kind::exact_atk || pk == dgps::precond::Kind::exact_atq) {
+    (void)C;
+    const double pre = (pk == dgps::precond::Kind::exact_atq ? 6.0 : 4.0) * double(K * K);
+    return pre + (R::solve_type::kind == dgps::solve::Kind::online ? 6.0 : 4.0) * double(K * V);
+  } else if constexpr (R::solve_type::kind == dgps::solve::Kind::online)
     return 6.0 * K * V + 2.0 * C * K + 2.0 * C * V;
   else
     return 4.0 * K * V + 1.0 * C * K + 1.0 * C * V;
@@ -341,7 +349,8 @@ struct Bench {
       if constexpr (dgps::precond::needs_gates<typename R::precond_type>) {
         gr.dg_p = dgps::Out<float>(dgp.data()).view;
         gr.dbeta_p = dgps::Out<float>(dbp.data()).view;
-        gr.dcenter = dgps::Out<float>(dc.data()).view;
+        if constexpr (dgps::precond::needs_center<typename R::precond_type>)
+          gr.dcenter = dgps::Out<float>(dc.data()).view;
       }
     }
   };
@@ -412,6 +421,31 @@ struct Bench {
       rr.tokens_per_s = double(pr.B * pr.T) / br;
       rr.ratio = br / bc;  // chunkwise backward speed-up over the recurrent backward
       print(rr);
+    }
+  }
+
+  /// The exact preconditioners: the forward (automatic: the vectorised recurrence) on `p`, then on the
+  /// prefix `pr` the reference recurrence's forward (ratio = its time / the kernel's on the same prefix)
+  /// and the backward (the recurrence with checkpoints; ratio = (forward + backward) / forward there).
+  template <class R>
+  void exact(const char* model, const Problem& p, const Problem& pr) {
+    for (int th : args.threads) {
+      const Record f = forward<R>("exact", model, p, th, dgps::Algorithm::automatic, args.reps);
+      print(f);
+      if (args.quick) continue;
+      const Record fp = forward<R>("exact", model, pr, th, dgps::Algorithm::automatic, args.reps);
+      Record r = forward<R>("exact", model, pr, th, dgps::Algorithm::recurrent, 1);
+      r.ratio = r.seconds / fp.seconds;  // kernel speed-up over the reference recurrence
+      print(r);
+      dgps::RunInfo info;
+      const double b = time_backward<R>(pr, th, dgps::Algorithm::automatic, 1, info);
+      Record rb{"exact", model, "backward", info.impl, pr.B, pr.T, pr.H, pr.K, pr.V, th};
+      rb.seconds = b;
+      rb.tokens_per_s = double(pr.B * pr.T) / b;
+      rb.gflops = 2.0 * flops_per_token_head<R>(pr.K, pr.V, 64) * double(pr.B * pr.T * pr.H) / b * 1e-9;
+      rb.pct_peak = 100.0 * rb.gflops / peak_for(th);
+      rb.ratio = (fp.seconds + b) / fp.seconds;  // (forward + backward) / forward
+      print(rb);
     }
   }
 
@@ -563,6 +597,11 @@ struct Bench {
         decode<dgps::PGDN>("pgdn", B, H, K, K);
         decode<dgps::KDA>("kda", B, H, K, K);
       }
+    }
+    if (want("exact")) {
+      const Problem p(1, T, H, K, K), pr(1, 256, H, K, K);
+      exact<dgps::MesaLayer>("mesa", p, pr);
+      exact<dgps::RidgeReadout>("ridge", p, pr);
     }
     if (want("sweep")) {
       const std::vector<int64_t> Ts = args.quick ? std::vector<int64_t>{1024, 4096}

@@ -24,6 +24,13 @@ constexpr bool has_chunkwise() {
   return kernels::chunkwise_covers(spec_of<R>());
 }
 
+/// True for the exact preconditioners (ExactATK, ExactATQ: the Mesa layer, the ridge readout).
+template <class R>
+constexpr bool exact_precond() {
+  constexpr auto k = spec_of<R>().precond;
+  return k == precond::Kind::exact_atk || k == precond::Kind::exact_atq;
+}
+
 /// True when the CPU backend has `alg` for model R (the recurrent algorithm covers every combination).
 template <class R>
 constexpr bool supports(Algorithm alg) {
@@ -100,8 +107,10 @@ kernels::KernelParams params(const dgps::detail::Problem<T>& p) {
 /// Forward on the CPU. `chunkwise` forces the chunkwise kernels (R must be covered). `automatic`
 /// picks them for every covered model: measured faster than the recurrent path at every sequence
 /// length, from 1 token (about 2x, B = 8, H = 16, K = V = 128) to 32 tokens (about 17x) and beyond
-/// (bench/README.md). Otherwise (exact preconditioners, or `recurrent`) the recurrence runs token by
-/// token (the reference code with float accumulation).
+/// (bench/README.md). The exact preconditioners (Mesa layer, ridge readout), which have no chunkwise
+/// form here, run on the decode kernel when `automatic`: the recurrence token by token, vectorised,
+/// with the inverse Gram in double (docs/performance-cpu.md). `recurrent` runs the reference code
+/// (float accumulation).
 /// With a training cache (p.save_to, emptied by dgps::forward) the chunkwise kernels fill it; the
 /// recurrence leaves it empty.
 template <class R, class T>
@@ -120,6 +129,7 @@ Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
     if (p.save_to) A::set_filled(*p.save_to, true);
     return {Algorithm::chunkwise, impl};
   }
+  if (alg == Algorithm::automatic && exact_precond<R>()) return {Algorithm::recurrent, kernels::decode(detail_cpu::params(p))};
   reference::forward<R, T, state_t<T>>(p, p.threads);
   return {Algorithm::recurrent, "cpu/recurrent"};
 }
