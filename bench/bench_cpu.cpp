@@ -378,6 +378,20 @@ struct Bench {
     return time_median(reps, [&] { dgps::forward<R>(in, out, opt); });
   }
 
+  /// The record of a backward of model R on `p` (what ran: `info`) that took `seconds`; its GFLOP/s count twice
+  /// the forward's FLOPs.
+  template <class R>
+  Record backward_record(const char* group, const char* model, const char* label, const dgps::RunInfo& info,
+                         const Problem& p, int threads, double seconds, double ratio) const {
+    Record r{group, model, label, info.impl, p.B, p.T, p.H, p.K, p.V, threads};
+    r.seconds = seconds;
+    r.tokens_per_s = double(p.B * p.T) / seconds;
+    r.gflops = 2.0 * flops_per_token_head<R>(p.K, p.V, 64) * double(p.B * p.T * p.H) / seconds * 1e-9;
+    r.pct_peak = 100.0 * r.gflops / peak_for(threads);
+    r.ratio = ratio;
+    return r;
+  }
+
   /// Training step cost: the forward, the chunkwise backward and (fwd + bwd) / fwd on `p`; then the
   /// recurrent backward against the chunkwise one on the shorter prefix `pr` (ratio = speed-up).
   template <class R>
@@ -387,13 +401,8 @@ struct Bench {
       print(f);
       dgps::RunInfo info;
       const double b = time_backward<R>(p, th, dgps::Algorithm::chunkwise, args.reps, info);
-      Record r{"fwdbwd", model, "backward", info.impl, p.B, p.T, p.H, p.K, p.V, th};
-      r.seconds = b;
-      r.tokens_per_s = double(p.B * p.T) / b;
-      r.gflops = 2.0 * flops_per_token_head<R>(p.K, p.V, 64) * double(p.B * p.T * p.H) / b * 1e-9;
-      r.pct_peak = 100.0 * r.gflops / peak_for(th);
-      r.ratio = (f.seconds + b) / f.seconds;  // (forward + backward) / forward
-      print(r);
+      print(backward_record<R>("fwdbwd", model, "backward", info, p, th, b,
+                               (f.seconds + b) / f.seconds));  // (forward + backward) / forward
       // Training with saved activations (dgps::TrainingCache): the forward that saves, then the backward
       // that reads them; ratio = (forward with save + backward with cache) / plain forward.
       dgps::TrainingCache cache;
@@ -406,13 +415,8 @@ struct Bench {
       rs.ratio = fs / f.seconds;  // forward with save / plain forward
       print(rs);
       const double bcache = time_backward<R>(p, th, dgps::Algorithm::chunkwise, args.reps, info, &cache);
-      Record rc{"fwdbwd", model, "bwd-cached", info.impl, p.B, p.T, p.H, p.K, p.V, th};
-      rc.seconds = bcache;
-      rc.tokens_per_s = double(p.B * p.T) / bcache;
-      rc.gflops = 2.0 * flops_per_token_head<R>(p.K, p.V, 64) * double(p.B * p.T * p.H) / bcache * 1e-9;
-      rc.pct_peak = 100.0 * rc.gflops / peak_for(th);
-      rc.ratio = (fs + bcache) / f.seconds;  // (forward with save + backward with cache) / plain forward
-      print(rc);
+      // (forward with save + backward with cache) / plain forward
+      print(backward_record<R>("fwdbwd", model, "bwd-cached", info, p, th, bcache, (fs + bcache) / f.seconds));
       if (args.quick) continue;
       const double bc = time_backward<R>(pr, th, dgps::Algorithm::chunkwise, args.reps, info);
       const double br = time_backward<R>(pr, th, dgps::Algorithm::recurrent, 1, info);
@@ -439,13 +443,8 @@ struct Bench {
       print(r);
       dgps::RunInfo info;
       const double b = time_backward<R>(pr, th, dgps::Algorithm::automatic, 1, info);
-      Record rb{"exact", model, "backward", info.impl, pr.B, pr.T, pr.H, pr.K, pr.V, th};
-      rb.seconds = b;
-      rb.tokens_per_s = double(pr.B * pr.T) / b;
-      rb.gflops = 2.0 * flops_per_token_head<R>(pr.K, pr.V, 64) * double(pr.B * pr.T * pr.H) / b * 1e-9;
-      rb.pct_peak = 100.0 * rb.gflops / peak_for(th);
-      rb.ratio = (fp.seconds + b) / fp.seconds;  // (forward + backward) / forward
-      print(rb);
+      print(backward_record<R>("exact", model, "backward", info, pr, th, b,
+                               (fp.seconds + b) / fp.seconds));  // (forward + backward) / forward
     }
   }
 

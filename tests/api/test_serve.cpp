@@ -93,60 +93,97 @@ std::vector<double> as_double(const std::vector<S>& v, int64_t begin, int64_t n)
   return std::vector<double>(v.begin() + begin, v.begin() + begin + n);
 }
 
+/// The set-up both checks share: a packed batch of sequences of lengths `lens` (H = 2, HV value heads, K = 8,
+/// V = 6) without initial states, a pool of P random slots and its copy before the call, the inputs, and o
+/// filled with NaN.
+template <class R, class T>
+struct PoolCall {
+  using S = dgps::state_t<T>;
+  const int64_t N, HV, V = 6;
+  const std::vector<int64_t> cu;
+  const dgps::Shape shape;
+  const Case c;
+  Pool<S> pool;
+  const Pool<S> before;
+  const CaseTensors<T> ct;
+  const dgps::Inputs<T> in;
+  std::vector<T> o;
+  PoolCall(const std::vector<int64_t>& lens, int64_t HV_, int64_t P, uint64_t seed)
+      : N(static_cast<int64_t>(lens.size())),
+        HV(HV_),
+        cu(offsets(lens)),
+        shape{.batch = 1, .time = cu.back(), .heads = 2, .v_heads = HV, .key_dim = 8, .value_dim = V},
+        c(random_case(dgps::spec_of<R>(), shape, cu, seed, no_initial())),
+        pool(c.spec, P, shape, seed + 1),
+        before(pool),
+        ct(c),
+        in(inputs_of(ct, shape, N)),
+        o(static_cast<size_t>(shape.time * HV * V), T(NAN)) {}
+  static std::vector<int64_t> offsets(const std::vector<int64_t>& lens) {
+    std::vector<int64_t> cu{0};
+    for (int64_t l : lens) cu.push_back(cu.back() + l);
+    return cu;
+  }
+  static Gen no_initial() {
+    Gen gen;
+    gen.h0 = gen.a0 = false;
+    return gen;
+  }
+  static dgps::Inputs<T> inputs_of(const CaseTensors<T>& ct, const dgps::Shape& shape, int64_t N) {
+    auto in = dgps::inputs<T>(shape, ct.p("q"), ct.p("k"), ct.p("v"));
+    in.decay(ct.p("g")).gain(ct.p("beta")).precond(ct.p("g_p"), ct.p("beta_p"), ct.p("center"));
+    in.varlen(ct.cu.data(), N);
+    return in;
+  }
+  PoolCall(const PoolCall&) = delete;  // `in` points into ct
+  /// Sequence n's rows of o, as doubles.
+  std::vector<double> rows(int64_t n) const { return as_double(o, cu[n] * HV * V, (cu[n + 1] - cu[n]) * HV * V); }
+  /// Every slot not marked in `written` holds what it held before the call.
+  void check_untouched(const std::vector<char>& written) const {
+    for (int64_t i = 0; i < pool.P; ++i)
+      if (!written[i]) {
+        INFO("slot " << i << " must be untouched");
+        CHECK(std::equal(pool.h.begin() + i * pool.hs, pool.h.begin() + (i + 1) * pool.hs,
+                         before.h.begin() + i * pool.hs));
+        CHECK(std::equal(pool.a.begin() + i * pool.as, pool.a.begin() + (i + 1) * pool.as,
+                         before.a.begin() + i * pool.as));
+      }
+  }
+};
+
 /// Packed prefill / decode through the pool: sequences of lengths `lens`, start slots `slots` (negative:
 /// padding), optional `out_slots` and `has_initial`. Checks o, the written slots and that every other
 /// slot is untouched, against the reference run per sequence. Metric max|x - ref| / max|ref|.
 template <class R, class T>
 void check_pool(const std::vector<int64_t>& lens, const std::vector<int64_t>& slots, const std::vector<int64_t>& outs,
                 const std::vector<uint8_t>& init, int64_t P, dgps::Options opt, double tol, uint64_t seed) {
-  using S = dgps::state_t<T>;
-  const int64_t N = static_cast<int64_t>(lens.size()), H = 2, HV = 4, K = 8, V = 6;
-  std::vector<int64_t> cu{0};
-  for (int64_t l : lens) cu.push_back(cu.back() + l);
-  const dgps::Shape shape{.batch = 1, .time = cu.back(), .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V};
-  Gen gen;
-  gen.h0 = gen.a0 = false;
-  const Case c = random_case(dgps::spec_of<R>(), shape, cu, seed, gen);
-  Pool<S> pool(c.spec, P, shape, seed + 1);
-  const Pool<S> before = pool;
-
-  CaseTensors<T> ct(c);
-  auto in = dgps::inputs<T>(shape, ct.p("q"), ct.p("k"), ct.p("v"));
-  in.decay(ct.p("g")).gain(ct.p("beta")).precond(ct.p("g_p"), ct.p("beta_p"), ct.p("center"));
-  in.varlen(ct.cu.data(), N);
-  std::vector<T> o(static_cast<size_t>(shape.time * HV * V), T(NAN));
+  PoolCall<R, T> x(lens, 4, P, seed);
+  const int64_t N = x.N;
+  auto& pool = x.pool;
   auto st = pool.template state<T>();
   st.slots = dgps::view(slots.data(), {N});
   if (!outs.empty()) st.out_slots = dgps::view(outs.data(), {N});
   if (!init.empty()) st.has_initial = dgps::view(init.data(), {N});
-  dgps::decode<R>(st, in, o.data(), opt);
+  dgps::decode<R>(st, x.in, x.o.data(), opt);
 
   std::vector<char> written(static_cast<size_t>(P), 0);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t si = slots[n], so = outs.empty() ? si : outs[n];
-    const int64_t rows = lens[n] * HV * V;
-    const auto got = as_double(o, cu[n] * HV * V, rows);
+    const auto got = x.rows(n);
     INFO("sequence " << n << " slot " << si << " -> " << so << ", " << lens[n] << " tokens");
     if (si < 0 || so < 0) {
       CHECK(max_abs(got) == 0.0);
       continue;
     }
-    const SeqState s0 = before.slot(si);
+    const SeqState s0 = x.before.slot(si);
     const bool start = init.empty() || init[n];
-    const auto [ro, rs] = oracle<R>(c, cu[n], lens[n], start ? &s0 : nullptr);
+    const auto [ro, rs] = oracle<R>(x.c, x.cu[n], lens[n], start ? &s0 : nullptr);
     CHECK(err(got, ro) < tol);
     CHECK(err(as_double(pool.h, so * pool.hs, pool.hs), rs.h) < tol);
     if (pool.as) CHECK(err(as_double(pool.a, so * pool.as, pool.as), rs.a) < tol);
     written[so] = 1;
   }
-  for (int64_t i = 0; i < P; ++i)
-    if (!written[i]) {
-      INFO("slot " << i << " must be untouched");
-      CHECK(
-          std::equal(pool.h.begin() + i * pool.hs, pool.h.begin() + (i + 1) * pool.hs, before.h.begin() + i * pool.hs));
-      CHECK(
-          std::equal(pool.a.begin() + i * pool.as, pool.a.begin() + (i + 1) * pool.as, before.a.begin() + i * pool.as));
-    }
+  x.check_untouched(written);
 }
 
 /// Speculative verification: sequence n has lens[n] tokens, the slot table `ts` [N, D], `acc` [N].
@@ -155,56 +192,37 @@ void check_pool(const std::vector<int64_t>& lens, const std::vector<int64_t>& sl
 template <class R, class T>
 void check_verify(const std::vector<int64_t>& lens, const std::vector<int64_t>& ts, int64_t D,
                   const std::vector<int64_t>& acc, int64_t P, dgps::Options opt, double tol, uint64_t seed) {
-  using S = dgps::state_t<T>;
-  const int64_t N = static_cast<int64_t>(lens.size()), H = 2, HV = 2, K = 8, V = 6;
-  std::vector<int64_t> cu{0};
-  for (int64_t l : lens) cu.push_back(cu.back() + l);
-  const dgps::Shape shape{.batch = 1, .time = cu.back(), .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V};
-  Gen gen;
-  gen.h0 = gen.a0 = false;
-  const Case c = random_case(dgps::spec_of<R>(), shape, cu, seed, gen);
-  Pool<S> pool(c.spec, P, shape, seed + 1);
-  const Pool<S> before = pool;
-  CaseTensors<T> ct(c);
-  auto in = dgps::inputs<T>(shape, ct.p("q"), ct.p("k"), ct.p("v"));
-  in.decay(ct.p("g")).gain(ct.p("beta")).precond(ct.p("g_p"), ct.p("beta_p"), ct.p("center"));
-  in.varlen(ct.cu.data(), N);
-  std::vector<T> o(static_cast<size_t>(shape.time * HV * V), T(NAN));
+  PoolCall<R, T> x(lens, 2, P, seed);
+  const int64_t N = x.N;
+  auto& pool = x.pool;
   auto st = pool.template state<T>();
   st.token_slots = dgps::view(ts.data(), {N, D});
   st.num_accepted = dgps::view(acc.data(), {N});
-  dgps::decode<R>(st, in, o.data(), opt);
+  dgps::decode<R>(st, x.in, x.o.data(), opt);
 
   std::vector<char> written(static_cast<size_t>(P), 0);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t start = ts[n * D + acc[n] - 1];
     INFO("sequence " << n << " start slot " << start << ", " << lens[n] << " tokens");
-    const auto got = as_double(o, cu[n] * HV * V, lens[n] * HV * V);
+    const auto got = x.rows(n);
     if (start < 0) {
       CHECK(max_abs(got) == 0.0);
       continue;
     }
-    const SeqState s0 = before.slot(start);
-    const auto [ro, rs] = oracle<R>(c, cu[n], lens[n], &s0);
+    const SeqState s0 = x.before.slot(start);
+    const auto [ro, rs] = oracle<R>(x.c, x.cu[n], lens[n], &s0);
     CHECK(err(got, ro) < tol);
     for (int64_t t = 0; t < lens[n]; ++t) {
       const int64_t slot = ts[n * D + t];
       if (slot < 0) continue;
-      const auto [po, ps] = oracle<R>(c, cu[n], t + 1, &s0);  // the accepted prefix, token by token
+      const auto [po, ps] = oracle<R>(x.c, x.cu[n], t + 1, &s0);  // the accepted prefix, token by token
       INFO("token " << t << " -> slot " << slot);
       CHECK(err(as_double(pool.h, slot * pool.hs, pool.hs), ps.h) < tol);
       if (pool.as) CHECK(err(as_double(pool.a, slot * pool.as, pool.as), ps.a) < tol);
       written[slot] = 1;
     }
   }
-  for (int64_t i = 0; i < P; ++i)
-    if (!written[i]) {
-      INFO("slot " << i << " must be untouched");
-      CHECK(
-          std::equal(pool.h.begin() + i * pool.hs, pool.h.begin() + (i + 1) * pool.hs, before.h.begin() + i * pool.hs));
-      CHECK(
-          std::equal(pool.a.begin() + i * pool.as, pool.a.begin() + (i + 1) * pool.as, before.a.begin() + i * pool.as));
-    }
+  x.check_untouched(written);
 }
 
 dgps::Options with(dgps::Backend b, dgps::Algorithm a, int threads = 1) {
