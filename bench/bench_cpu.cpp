@@ -428,23 +428,26 @@ struct Bench {
     }
   }
 
-  /// The exact preconditioners: the forward (automatic: the vectorised recurrence) on `p`, then on the
-  /// prefix `pr` the reference recurrence's forward (ratio = its time / the kernel's on the same prefix)
-  /// and the backward (the recurrence with checkpoints; ratio = (forward + backward) / forward there).
+  /// The exact preconditioners: the forward and the backward (automatic: the vectorised recurrences) on `p`
+  /// (ratio = (forward + backward) / forward); then on the prefix `pr` the reference recurrence's forward and
+  /// backward (ratio = its time / the kernel's on the same prefix).
   template <class R>
   void exact(const char* model, const Problem& p, const Problem& pr) {
     for (int th : args.threads) {
       const Record f = forward<R>("exact", model, p, th, dgps::Algorithm::automatic, args.reps);
       print(f);
+      dgps::RunInfo info;
+      const double b = time_backward<R>(p, th, dgps::Algorithm::automatic, args.reps, info);
+      print(backward_record<R>("exact", model, "backward", info, p, th, b, (f.seconds + b) / f.seconds));
       if (args.quick) continue;
       const Record fp = forward<R>("exact", model, pr, th, dgps::Algorithm::automatic, args.reps);
       Record r = forward<R>("exact", model, pr, th, dgps::Algorithm::recurrent, 1);
       r.ratio = r.seconds / fp.seconds;  // kernel speed-up over the reference recurrence
       print(r);
-      dgps::RunInfo info;
-      const double b = time_backward<R>(pr, th, dgps::Algorithm::automatic, 1, info);
-      print(backward_record<R>("exact", model, "backward", info, pr, th, b,
-                               (fp.seconds + b) / fp.seconds));  // (forward + backward) / forward
+      const double bp = time_backward<R>(pr, th, dgps::Algorithm::automatic, args.reps, info);
+      dgps::RunInfo rinfo;
+      const double br = time_backward<R>(pr, th, dgps::Algorithm::recurrent, 1, rinfo);
+      print(backward_record<R>("exact", model, "recurrent-backward", rinfo, pr, th, br, br / bp));
     }
   }
 

@@ -257,8 +257,11 @@ struct ExactPre {
         P[i * ld + j] = j >= K ? PT(0) : a0 ? PT(a0[i * lda + j]) : (i == j ? PT(1.0 / lambda) : PT(0));
   }
   /// Tokens [0, nt) of a block: rows qn, kn of stride `rs` in; kw (ExactATK) or qr (ExactATQ) out; a and
-  /// bb the gates of each token (a = exp(g_p), bb = beta_p).
-  void run(int64_t nt, const T* qn, const T* kn, int64_t rs, T* qr, T* kw, const T* a, const T* bb) {
+  /// bb the gates of each token (a = exp(g_p), bb = beta_p). For the backward (exact_backward.hpp), when given:
+  /// each token's y = P_{t-1} k and w = P_{t-1} q (rows of stride `yld`) and six scalars
+  /// (a, beta_p, kappa, den, f, y . q).
+  void run(int64_t nt, const T* qn, const T* kn, int64_t rs, T* qr, T* kw, const T* a, const T* bb,
+           PT* ys = nullptr, PT* ws = nullptr, int64_t yld = 0, double* scal = nullptr) {
     auto cvt = [&](const T* x, PT* d) {
       for (int64_t c = 0; c < ld; ++c) d[c] = c < K ? PT(x[c]) : PT(0);
     };
@@ -269,6 +272,12 @@ struct ExactPre {
       double kappa = 0, yq = 0;
       for (int64_t c = 0; c < K; ++c) kappa += double(kd[c]) * double(y[c]), yq += double(y[c]) * double(qd[c]);
       const double at = a[t], bt = bb[t], den = at + bt * kappa, f = bt / den, ia = 1.0 / at;
+      if (scal) {
+        double* sc = scal + t * 6;
+        sc[0] = at, sc[1] = bt, sc[2] = kappa, sc[3] = den, sc[4] = f, sc[5] = yq;
+        std::memcpy(ys + t * yld, y, size_t(ld) * sizeof(PT));
+        if (ws) std::memcpy(ws + t * yld, w, size_t(ld) * sizeof(PT));
+      }
       if (key_target) {
         const double sc = 1.0 / den;
         for (int64_t c = 0; c < K; ++c) kw[t * rs + c] = static_cast<T>(double(y[c]) * sc);

@@ -74,10 +74,11 @@ IsaKernels select() {
 
 /// Name strings with static storage for every ISA and operation.
 const char* impl_name(const char* op, const char* isa) {
-  static const std::string names[2][4] = {
+  static const std::string names[3][4] = {
       {"cpu/chunkwise/avx512", "cpu/chunkwise/avx2", "cpu/chunkwise/neon64", "cpu/chunkwise/generic"},
-      {"cpu/decode/avx512", "cpu/decode/avx2", "cpu/decode/neon64", "cpu/decode/generic"}};
-  const int o = std::strcmp(op, "chunkwise") == 0 ? 0 : 1;
+      {"cpu/decode/avx512", "cpu/decode/avx2", "cpu/decode/neon64", "cpu/decode/generic"},
+      {"cpu/exact/avx512", "cpu/exact/avx2", "cpu/exact/neon64", "cpu/exact/generic"}};
+  const int o = std::strcmp(op, "chunkwise") == 0 ? 0 : std::strcmp(op, "decode") == 0 ? 1 : 2;
   const int i = std::strcmp(isa, "avx512") == 0 ? 0
                 : std::strcmp(isa, "avx2") == 0 ? 1
                 : std::strcmp(isa, "neon64") == 0 ? 2
@@ -230,6 +231,12 @@ const char* decode(const KernelParams& p) {
   if (want <= 1 || tasks <= 1 || !SpinPool::instance().run(tasks, want, body, &ctx))
     for (int64_t task = 0; task < tasks; ++task) isa.decode_task(p, task);
   return impl_name("decode", isa.name);
+}
+
+const char* exact_backward(const KernelParams& p) {
+  const IsaKernels isa = select();
+  run_tasks(p.N * p.H, p.threads, false, [&](int64_t task) { isa.exact_backward_task(p, task); });
+  return impl_name("exact", isa.name);
 }
 
 }  // namespace dgps::cpu::kernels

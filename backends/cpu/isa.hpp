@@ -19,6 +19,8 @@ struct IsaKernels {
   /// heads); stores the dcenter term of key head h0 + j in dcenter[j] (0 without a diagonal
   /// preconditioner). group > 1 only with a training cache and HV = H.
   void (*backward_task)(const KernelParams&, int64_t task, int64_t group, double* dcenter);
+  /// Backward of the exact preconditioners (exact_backward.hpp) of task n * H + h: (sequence n, key head h).
+  void (*exact_backward_task)(const KernelParams&, int64_t task);
   /// Test hook: the vectorised squash (SPEC §2) of the n statistics A (n a multiple of 8 float vectors) by each
   /// path, into out[k * n + i]: k = 0 squash_vn (8 vectors at a time, squash_v where it declines), 1 squash_v,
   /// 2 squash_inplace, 3 and 4 the squash and its slope dM/dA from squash_slope.

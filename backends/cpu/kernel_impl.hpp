@@ -8,13 +8,14 @@
 ///
 /// The kernels live in headers by role: simd.hpp (the vector layer), vmath.hpp, squash_simd.hpp, gemm.hpp,
 /// transpose.hpp, trickle.hpp, scratch.hpp, convert.hpp, setup.hpp, intra.hpp, chunk_forward.hpp, decode.hpp,
-/// backward.hpp.
+/// backward.hpp, exact_backward.hpp.
 #include <cstdint>
 
 #include "backward.hpp"
 #include "chunk_forward.hpp"
 #include "convert.hpp"
 #include "decode.hpp"
+#include "exact_backward.hpp"
 #include "isa.hpp"
 #include "simd.hpp"
 #include "squash_simd.hpp"
@@ -56,6 +57,14 @@ void backward_task(const KernelParams& p, int64_t task, int64_t group, double* d
     backward_task_t<float>(p, task, group, dcenter);
 }
 
+/// The exported entry (IsaKernels::exact_backward_task): float or double (bf16 / f16 run on float copies).
+void exact_backward_task(const KernelParams& p, int64_t task) {
+  if (p.dtype == DType::f64)
+    exact_backward_task_t<double>(p, task);
+  else
+    exact_backward_task_t<float>(p, task);
+}
+
 void squash_lanes(const float* A, int64_t n, float center, float log_x, float eps, float* out) {
   constexpr int L = Vec<float>::L, G = 8;
   for (int64_t i = 0; i < n; i += G * L) {
@@ -75,6 +84,6 @@ void squash_lanes(const float* A, int64_t n, float center, float log_x, float ep
 #define DGPS_STR2(x) #x
 #define DGPS_STR(x) DGPS_STR2(x)
 
-IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task, &backward_task, &squash_lanes}; }
+IsaKernels table() { return {DGPS_STR(DGPS_ISA_NS), &chunk_task, &decode_task, &backward_task, &exact_backward_task, &squash_lanes}; }
 
 }  // namespace dgps::cpu::kernels::DGPS_ISA_NS

@@ -137,9 +137,10 @@ Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
 /// Backward on the CPU. `chunkwise` forces the chunkwise backward kernels (SPEC §4, R must be
 /// covered); `automatic` picks them for every covered model (bench/README.md: far faster than the
 /// recurrence at every length). The chunkwise kernels read a training cache (p.saved) instead of
-/// recomputing the chunks' states and pseudo-values; the recurrence ignores it. Otherwise (exact
-/// preconditioners, or `recurrent`) the recurrence runs token by token with checkpoints every p.chunk
-/// tokens (float accumulation).
+/// recomputing the chunks' states and pseudo-values; the recurrence ignores it. The exact preconditioners run
+/// their own vectorised reverse recurrence when `automatic` (kernels::exact_backward: the inverse Gram in double,
+/// states checkpointed every p.chunk tokens). `recurrent` runs the reference recurrence token by token with
+/// checkpoints every p.chunk tokens (float accumulation).
 template <class R, class T>
 Ran backward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   const bool chunk = alg == Algorithm::chunkwise || (alg == Algorithm::automatic && has_chunkwise<R>());
@@ -151,6 +152,14 @@ Ran backward(const dgps::detail::Problem<T>& p, Algorithm alg) {
         return backward<R>(f, alg);
       });
   if (chunk) return {Algorithm::chunkwise, kernels::chunkwise_backward(detail_cpu::params(p))};
+  if (alg == Algorithm::automatic && exact_precond<R>()) {
+    if constexpr (is_half_v<T>)
+      return dgps::detail::with_float_copy(p, [&](const dgps::detail::Problem<float>& f) {
+        return backward<R>(f, alg);
+      });
+    else
+      return {Algorithm::recurrent, kernels::exact_backward(detail_cpu::params(p))};
+  }
   reference::backward<R, T, state_t<T>>(p, p.threads);
   return {Algorithm::recurrent, "cpu/recurrent"};
 }

@@ -96,4 +96,11 @@ DGPS_API const char* chunkwise_backward(const KernelParams& p);
 /// Returns "cpu/decode/<isa>".
 DGPS_API const char* decode(const KernelParams& p);
 
+/// Backward of the exact preconditioners (ExactATK / ExactATQ with every decay, gain and solve; SPEC §2 and §3.8)
+/// in float or double: the recurrence in reverse, the inverse Gram in double, run back from the end of each
+/// sequence by the Sherman-Morrison step's inverse (backends/cpu/exact_backward.hpp). Writes every gradient whose
+/// view is given; da0 is the raw gradient of the update as written (as the reference). States are checkpointed
+/// every `chunk` tokens. Parallel over (sequence, key head). Returns "cpu/exact/<isa>".
+DGPS_API const char* exact_backward(const KernelParams& p);
+
 }  // namespace dgps::cpu::kernels
