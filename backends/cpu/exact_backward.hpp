@@ -255,8 +255,8 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
   T* S = Sheld + C2 * r * KV;  // the running states (r of them); then dS in the reverse sweep
   T* Uheld = S + r * KV;
   Scratch<T> dSm(r * KV);
-  // Per token of a chunk: qn, kn, mapped (qr or kw), raw-normalised q; per value head fac, bet.
-  const int64_t per_tok = 4 * Kp;
+  // Per token of a chunk: qn, kn, mapped (qr or kw); per value head fac, bet.
+  const int64_t per_tok = 3 * Kp;
   Scratch<T> tokm(C1 * per_tok + C1 * r * Kp + C1 * r + C1 * 2 + 8 * Kp + 3 * Vp);
   T* tokv = tokm.base;
   T* facs = tokv + C1 * per_tok;
@@ -311,7 +311,7 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
     }
   };
   // The mapped vector of token t (qr for ExactATQ, kw for ExactATK) from the forward's y / w, in double.
-  auto mapped = [&](int64_t t, const T* qn, double* out) {
+  auto mapped = [&](int64_t t, double* out) {
     const double* y = yrow(t);
     const double* sc = scal + t * 6;
     if (key_target) {
@@ -319,7 +319,6 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
       for (int64_t c = 0; c < K; ++c) out[c] = y[c] * inv;
     } else {
       const double* w = wrow(t);
-      (void)qn;
       for (int64_t c = 0; c < K; ++c) out[c] = (w[c] - sc[4] * y[c] * sc[5]) / sc[0];
     }
     for (int64_t c = K; c < ld; ++c) out[c] = 0;
@@ -345,20 +344,25 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
     for (int64_t t = ta; t < tb; ++t) {
       T* qn = tokv + (t - ta) * per_tok;
       T* m = qn + 2 * Kp;
-      mapped(t, qn, mapd);
+      mapped(t, mapd);
       for (int64_t c = 0; c < Kp; ++c) m[c] = c < K ? T(mapd[c]) : T(0);
     }
+  };
+
+  // The r value-head states of state si of `x` (h0 or dhT; zero when absent) into rows of Vp at dst.
+  auto load_states = [&](const KView& x, T* dst) {
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t c = 0; c < K; ++c) {
+        T* row = dst + j * KV + c * Vp;
+        for (int64_t e = 0; e < Vp; ++e) row[e] = T(0);
+        if (x.data) std::memcpy(row, s.state(x, si, h * r + j) + c * x.stride[2], size_t(Vd) * sizeof(T));
+      }
   };
 
   // 1. Forward: P over the sequence (y, w and scalars kept), states checkpointed every C1 tokens.
   const bool a0_in = p.a0.data != nullptr;
   ex.init(a0_in ? cptr<T>(p.a0) + si * p.a0.stride[0] + h * p.a0.stride[1] : nullptr, p.a0.stride[2], p.lambda);
-  for (int64_t j = 0; j < r; ++j)
-    for (int64_t c = 0; c < K; ++c) {
-      T* row = S + j * KV + c * Vp;
-      for (int64_t e = 0; e < Vp; ++e) row[e] = T(0);
-      if (p.h0.data) std::memcpy(row, s.state(p.h0, si, h * r + j) + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
-    }
+  load_states(p.h0, S);
   Scratch<T> gam(2 * C1);
   T* ga = gam.base;
   T* gb = ga + C1;
@@ -374,12 +378,7 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
 
   // 2-3. Reverse: dS from dhT, Pi from daT.
   T* dS = dSm.base;
-  for (int64_t j = 0; j < r; ++j)
-    for (int64_t c = 0; c < K; ++c) {
-      T* row = dS + j * KV + c * Vp;
-      for (int64_t e = 0; e < Vp; ++e) row[e] = T(0);
-      if (p.dhT.data) std::memcpy(row, s.state(p.dhT, si, h * r + j) + c * p.dhT.stride[2], size_t(Vd) * sizeof(T));
-    }
+  load_states(p.dhT, dS);
   for (int64_t i = 0; i < K; ++i)
     for (int64_t jj = 0; jj < ld; ++jj)
       Pi[i * ld + jj] = p.daT.data && jj < K ? double(cptr<T>(p.daT)[si * p.daT.stride[0] + h * p.daT.stride[1] +
@@ -453,8 +452,8 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
           kd[c] = c < K ? double(kn[c]) : 0.0;
           tgd[c] = c < K ? double(key_target ? kn[c] : qn[c]) : 0.0;
         }
-        mapped(t, qn, mapd);
-        if (!have_reads) {  // the last token: the reads on P_T, Pi_T
+        mapped(t, mapd);
+        if (!have_reads) {  // the last token, or the last of a sub-block: a reads-only sweep on P_t, Pi_t
           PiReads rd{y, dm, A1, A2, pdm, &s1, rowacc};
           pi_sweep(P, Pi, K, ld, nullptr, &rd);
         }
