@@ -10,10 +10,14 @@
 
 #include <dgps/detail/check.hpp>
 
+#include <dgps/backend.hpp>
 #include <dgps/dynamic.hpp>
 
 #include "commands.hpp"
 #include "common.hpp"
+#if defined(DGPS_HAS_CUDA)
+#include "gpu.hpp"
+#endif
 
 namespace dgps_tool {
 
@@ -176,6 +180,17 @@ BenchResult bench_typed(const dgps::ModelSpec& spec, const dgps::Shape& s, const
   });
 }
 
+#if defined(DGPS_HAS_CUDA)
+/// bench_typed on the GPU (float32): the synthetic inputs copied to the device once, each run synchronised.
+BenchResult bench_gpu(const dgps::ModelSpec& spec, const dgps::Shape& s, const dgps::Options& opt, Mode mode,
+                      int64_t warmup, int64_t repeat, uint64_t seed, bool quiet) {
+  const Synthetic<float> x(s, spec, mode == Mode::backward, seed);
+  const gpu::BenchInputs in{&x.q, &x.k, &x.v, &x.g, &x.beta, &x.g_p, &x.beta_p, &x.center, &x.d_o};
+  gpu::BenchProblem problem(spec, s, opt, static_cast<int>(mode), in);
+  return time_runs(warmup, repeat, quiet, [&] { return problem.run(); });
+}
+#endif
+
 }  // namespace
 
 int cmd_bench(const Args& args) {
@@ -209,8 +224,15 @@ int cmd_bench(const Args& args) {
   const uint64_t seed = static_cast<uint64_t>(args.integer("seed", 0, 0));
   const bool json = args.has("json");
 
-  const BenchResult r = dtype == "f32" ? bench_typed<float>(spec, s, opt, mode, warmup, repeat, seed, json)
-                                       : bench_typed<double>(spec, s, opt, mode, warmup, repeat, seed, json);
+  BenchResult r;
+#if defined(DGPS_HAS_CUDA)
+  if (dgps::detail::select_backend(opt.backend) == dgps::Backend::cuda) {
+    if (dtype != "f32") throw dgps::Error("backend 'cuda' has no float64 kernels: bench it with --dtype f32");
+    r = bench_gpu(spec, s, opt, mode, warmup, repeat, seed, json);
+  } else
+#endif
+    r = dtype == "f32" ? bench_typed<float>(spec, s, opt, mode, warmup, repeat, seed, json)
+                       : bench_typed<double>(spec, s, opt, mode, warmup, repeat, seed, json);
   const double tokens = double(s.batch) * double(s.time);
   const double tokens_per_s = r.median > 0 ? tokens / r.median : 0.0;
   if (json) {

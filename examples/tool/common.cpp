@@ -20,7 +20,7 @@ std::vector<OptionSpec> model_options() {
 
 std::vector<OptionSpec> backend_options() {
   return {
-      {"backend", "B", "automatic (default) | reference | cpu | cuda"},
+      {"backend", "B", "automatic (default) | reference | cpu | cuda (float32 on the GPU; float64 files are converted)"},
       {"algorithm", "A", "automatic (default) | recurrent | chunkwise"},
       {"threads", "N", "CPU threads, 0 = all (default)"},
   };

@@ -10,6 +10,9 @@
 #include <dgps/version.hpp>
 
 #include "commands.hpp"
+#if defined(DGPS_HAS_CUDA)
+#include "gpu.hpp"
+#endif
 
 namespace dgps_tool {
 
@@ -47,6 +50,7 @@ int cmd_info(const Args&) {
   std::printf("threads: %u (%s)\n", std::thread::hardware_concurrency(), runtime);
 #if defined(DGPS_HAS_CUDA)
   std::printf("cuda: %s\n", dgps::cuda_available() ? "available" : "backend built, but no usable GPU or driver");
+  for (const std::string& d : gpu::devices()) std::printf("gpu %s\n", d.c_str());
 #else
   std::printf("cuda: CUDA backend not built\n");
 #endif

@@ -1,4 +1,5 @@
-/// @brief `dgps run` and `dgps grad`: forward or backward on a directory of .npy files, through dgps::dynamic.
+/// @brief `dgps run` and `dgps grad`: forward or backward on a directory of .npy files, through dgps::dynamic (or,
+/// with `--backend cuda` in a build with CUDA, dgps::cuda on device copies: gpu.hpp).
 #include <unistd.h>
 
 #include <cstdio>
@@ -7,12 +8,16 @@
 #include <string>
 #include <vector>
 
+#include <dgps/backend.hpp>
 #include <dgps/dynamic.hpp>
 #include <dgps/io/npy.hpp>
 
 #include "commands.hpp"
 #include "common.hpp"
 #include "input_dir.hpp"
+#if defined(DGPS_HAS_CUDA)
+#include "gpu.hpp"
+#endif
 
 namespace dgps_tool {
 
@@ -153,11 +158,30 @@ std::pair<dgps::RunInfo, std::vector<Result<T>>> compute(const InputDir& in, con
   return {info, std::move(results)};
 }
 
+#if defined(DGPS_HAS_CUDA)
+/// compute() on the GPU: float32 arithmetic on device copies of the inputs, results in the inputs' type T.
+template <class T>
+std::pair<dgps::RunInfo, std::vector<Result<T>>> compute_gpu(const InputDir& in, const dgps::ModelSpec& spec,
+                                                             const dgps::Options& opt, bool backward) {
+  std::vector<gpu::HostTensor> host;
+  const dgps::RunInfo info = gpu::compute(in, spec, opt, backward, host);
+  std::vector<Result<T>> results;
+  for (auto& h : host) results.push_back({h.name, h.shape, std::vector<T>(h.data.begin(), h.data.end())});
+  return {info, std::move(results)};
+}
+#endif
+
 /// compute(), then writes the results (only now is anything written) and a one-line summary.
 template <class T>
 int run_typed(const InputDir& in, const dgps::ModelSpec& spec, const dgps::Options& opt, const std::string& out_dir,
               bool backward) {
+#if defined(DGPS_HAS_CUDA)
+  auto [info, results] = dgps::detail::select_backend(opt.backend) == dgps::Backend::cuda
+                             ? compute_gpu<T>(in, spec, opt, backward)
+                             : compute<T>(in, spec, opt, backward);
+#else
   auto [info, results] = compute<T>(in, spec, opt, backward);
+#endif
   const std::string written = write_all(results, in.dtype, out_dir);
   std::printf("%s %s with %s: wrote%s to %s\n", backward ? "grad" : "run", model_label(spec).c_str(), info.impl.c_str(),
               written.c_str(), out_dir.c_str());

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <dgps/cuda.hpp>
+
 #include "../support.hpp"
 
 using namespace dgps_test;
@@ -126,7 +128,8 @@ double err_of(const Case& c, const std::string& dir, const std::string& name, dg
 }
 
 /// `dgps run` and `dgps grad` on a copy of case `name`; every output and gradient against the gold values.
-void round_trip(const std::string& name, bool f32, double tol) {
+/// `extra` is appended to both commands' options (e.g. " --backend cuda").
+void round_trip(const std::string& name, bool f32, double tol, const std::string& extra = "") {
   const Case c = load_case(name);
   TempDir tmp;
   const std::string in = tmp / "in", out = tmp / "out", grads = tmp / "grads";
@@ -134,8 +137,8 @@ void round_trip(const std::string& name, bool f32, double tol) {
   copy_case(name, in, f32);
   const auto dtype = f32 ? dgps::npy::DType::f32 : dgps::npy::DType::f64;
 
-  const Run r = tool("run " + case_options(c) + " --in " + quote(in) + " --out " + quote(out), tmp);
-  INFO("case " << name << (f32 ? " (float32)" : " (float64)") << ": " << r.err);
+  const Run r = tool("run " + case_options(c) + extra + " --in " + quote(in) + " --out " + quote(out), tmp);
+  INFO("case " << name << (f32 ? " (float32)" : " (float64)") << extra << ": " << r.err);
   REQUIRE(r.status == 0);
   std::vector<std::string> want = {"hT", "o"};
   if (c.has("aT")) want.insert(want.begin(), "aT");
@@ -146,7 +149,7 @@ void round_trip(const std::string& name, bool f32, double tol) {
     CHECK(e < tol);
   }
 
-  const Run g = tool("grad " + case_options(c) + " --in " + quote(in) + " --out " + quote(grads), tmp);
+  const Run g = tool("grad " + case_options(c) + extra + " --in " + quote(in) + " --out " + quote(grads), tmp);
   INFO("grad: " << g.err);
   REQUIRE(g.status == 0);
   std::vector<std::string> expect;
@@ -206,6 +209,77 @@ TEST_CASE("cli: float32 inputs give float32 outputs within 1e-4") {
   round_trip("pkda_gva4_varlen", true, 1e-4);  // varlen with int32 cu_seqlens, GVA 4
   round_trip("mesa", true, 1e-4);              // --no-l2norm --scale 1, exact preconditioner
   round_trip("pgdn_gva2", true, 1e-4);
+}
+
+/// True when `dgps info` lists a GPU (the tool was built with the CUDA backend and the machine has one).
+bool tool_has_gpu() {
+  TempDir tmp;
+  return tool("info", tmp).out.find("\ngpu 0: ") != std::string::npos;
+}
+
+TEST_CASE("cli: --backend cuda reproduces the conformance cases on the GPU") {
+  if (!tool_has_gpu()) {  // then --backend cuda is a clear error that writes nothing
+    TempDir tmp;
+    const std::string in = tmp / "in", out = tmp / "out";
+    fs::create_directories(in);
+    copy_case("pgdn_gva2", in, false);
+    const Run r = tool("run --model pgdn --backend cuda --in " + quote(in) + " --out " + quote(out), tmp);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("backend 'cuda' is not available") != std::string::npos);
+    CHECK(!fs::exists(out));
+    MESSAGE("GPU round trip skipped: this dgps tool has no CUDA backend or sees no GPU");
+    return;
+  }
+  // The float64 files are computed in float32 on the GPU and written back as float64: the float32 bound of
+  // SPEC §5 (1e-4), as the float32 CPU round trip above and the GPU tests' conformance check.
+  int ran = 0;
+  for (const auto& name : case_names()) {
+    const Case c = load_case(name);
+    if (dgps::cuda::supports(c.spec)) {
+      round_trip(name, false, 1e-4, " --backend cuda");
+      ++ran;
+      continue;
+    }
+    TempDir tmp;  // a model the CUDA backend does not run: a clear error, nothing written
+    const std::string in = tmp / "in", out = tmp / "out";
+    fs::create_directories(in);
+    copy_case(name, in, false);
+    const Run r = tool("run " + case_options(c) + " --backend cuda --in " + quote(in) + " --out " + quote(out), tmp);
+    INFO("case " << name << ": " << r.err);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("backend 'cuda' has no") != std::string::npos);
+    CHECK(!fs::exists(out));
+  }
+  MESSAGE("conformance cases run on the GPU: " << ran);
+  CHECK(ran >= 10);
+  round_trip("pgdn_gva2", true, 1e-4, " --backend cuda");  // float32 files stay float32
+}
+
+TEST_CASE("cli: info and bench on the GPU") {
+  if (!tool_has_gpu()) {
+    MESSAGE("skipped: this dgps tool has no CUDA backend or sees no GPU");
+    return;
+  }
+  TempDir tmp;
+  const Run info = tool("info", tmp);
+  CHECK(info.out.find("cuda: available") != std::string::npos);
+  CHECK(info.out.find("backends: ") != std::string::npos);
+  for (const char* mode : {"forward", "backward", "decode"}) {
+    const Run r = tool(std::string("bench --model pgdn --batch 2 --time 64 --heads 2 --v-heads 4 --key-dim 64 "
+                                   "--value-dim 64 --repeat 2 --backend cuda --mode ") +
+                           mode,
+                       tmp);
+    INFO(mode << ": " << r.err);
+    REQUIRE(r.status == 0);
+    CHECK(r.out.find("impl: cuda/") != std::string::npos);
+    const auto p = r.out.rfind("tokens/s: ");
+    REQUIRE(p != std::string::npos);
+    CHECK(std::stod(r.out.substr(p + 10)) > 0);
+  }
+  const Run f64 = tool("bench --model gdn --time 16 --heads 1 --key-dim 16 --value-dim 16 --dtype f64 --backend cuda",
+                       tmp);
+  CHECK(f64.status == 2);
+  CHECK(f64.err.find("float64") != std::string::npos);
 }
 
 TEST_CASE("cli: malformed inputs exit 2, name the file and write nothing") {
