@@ -26,8 +26,9 @@ def rel_l2(a, b):
 class Kernels:
     """Points a model's linear-attention kernel calls at the functions of `table` (name -> function). A layer that
     keeps its kernels as instance attributes (set in its __init__) is patched in place; where no layer has them,
-    the layers resolve the names in the modeling module at call time, and `activate()` sets them there before each
-    use of the model."""
+    the layers resolve the names in the modeling module at call time (`chunk_gated_delta_rule`, or, in
+    transformers 5.x, the module functions `torch_chunk_gated_delta_rule` themselves), and `activate()` sets them
+    there before each use of the model."""
 
     def __init__(self, model, mod, table):
         self.mod, self.table, self.globals = mod, table, False
@@ -37,8 +38,12 @@ class Kernels:
                 if attr in vars(m):
                     setattr(m, attr, fn)
                     self.count += 1
-        if self.count == 0 and all(hasattr(mod, a) for a in table):
-            self.globals, self.count = True, len(table)
+        if self.count == 0:
+            for prefix in ("", "torch_"):
+                if all(hasattr(mod, prefix + a) for a in table):
+                    self.table = {prefix + a: fn for a, fn in table.items()}
+                    self.globals, self.count = True, len(table)
+                    break
         if self.count == 0:
             import inspect
             src = inspect.getsource(mod).splitlines()

@@ -221,7 +221,6 @@ BenchProblem::BenchProblem(const dgps::ModelSpec& spec, const dgps::Shape& s, co
   if (!supported)
     throw dgps::Error(std::string("backend 'cuda' has no ") + (mode == 1 ? "backward" : mode == 2 ? "decode" : "forward") +
                       " for " + dgps::to_string(spec));
-  m.c = params_of(spec, s, s.batch, opt);
   const int64_t B = s.batch, T = s.time, H = s.heads, HV = s.v_heads, K = s.key_dim, V = s.value_dim;
   const bool precond = spec.precond != dgps::precond::Kind::identity;
   const int64_t a_numel = !precond ? 0 : exact(spec) ? B * H * K * K : B * H * K;
@@ -233,6 +232,9 @@ BenchProblem::BenchProblem(const dgps::ModelSpec& spec, const dgps::Shape& s, co
   m.make("o", static_cast<size_t>(B * T * HV * V));
   m.make("h", static_cast<size_t>(B * HV * K * V));
   if (precond) m.make("a", static_cast<size_t>(a_numel));
+  // (The Params are formed after the uploads: GCC 12.2 at -O3 lost this assignment when it came before the
+  // `arrays` table above, a stack-slot reuse miscompile that -fstack-reuse=none or Clang do not show.)
+  m.c = params_of(spec, s, s.batch, opt);
   const int64_t g_dim = spec.decay == dgps::decay::Kind::diagonal ? K : 0;
   auto full = [&](const char* name, int64_t heads, int64_t dim) {
     if (!m.dev.count(name)) return dgps::cuda::Tensor();

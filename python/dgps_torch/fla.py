@@ -2,6 +2,8 @@
 
 Arguments dgps does not offer raise NotImplementedError naming them; unknown keyword arguments raise TypeError.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,18 @@ def _reject(fn, kwargs, accepted=()):
     bad = [k for k in kwargs if k not in accepted and k != "head_first"]
     if bad:
         raise TypeError(f"{RCP}.{fn}: unexpected keyword argument(s) {', '.join(bad)}")
+
+
+def _v_first(fn, state_v_first, kwargs):
+    """FLA's state layout flag: `state_v_first`, or its deprecated name `transpose_state_layout` (as FLA: a
+    DeprecationWarning; both given: ValueError)."""
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError(f"{RCP}.{fn}: cannot pass both `state_v_first` and the deprecated `transpose_state_layout`")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        return bool(kwargs["transpose_state_layout"])
+    return bool(state_v_first)
 
 
 def _unsupported(fn, **given):
@@ -109,7 +123,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _reject(fn, kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
     _unsupported(fn, cp_context=cp_context)
     _chunk_size(fn, kwargs, (16, 32, 64))
-    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    v_first = _v_first(fn, state_v_first, kwargs)
     if kwargs.get("use_gate_in_kernel", False):
         g = _gdn_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"))
     beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -147,7 +161,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     fn = "fused_recurrent_gated_delta_rule"
     _reject(fn, kwargs, ("transpose_state_layout",))
     _unsupported(fn, gv=gv)
-    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    v_first = _v_first(fn, state_v_first, kwargs)
     HV = v.shape[2]
     if beta is None:
         beta = torch.ones(q.shape[0], q.shape[1], HV, dtype=q.dtype, device=q.device)
@@ -186,7 +200,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _reject(fn, kwargs, ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "chunk_indices"))
     _unsupported(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states)
     _chunk_size(fn, kwargs, (32, 64))
-    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    v_first = _v_first(fn, state_v_first, kwargs)
     if use_gate_in_kernel:
         g = _kda_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound)
     beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -207,7 +221,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     _unsupported(fn, ssm_state_indices=kwargs.get("ssm_state_indices"),
                  num_accepted_tokens=kwargs.get("num_accepted_tokens"),
                  inplace_final_state=kwargs.get("inplace_final_state"), out=kwargs.get("out"))
-    v_first = state_v_first or kwargs.get("transpose_state_layout", False)
+    v_first = _v_first(fn, state_v_first, kwargs)
     if use_gate_in_kernel:
         g = _kda_gate(g, A_log, dt_bias, lower_bound)
     beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)

@@ -197,6 +197,16 @@ def test_state_v_first():
                                        output_final_state=True, state_v_first=True)
     torch.testing.assert_close(o1, o2)
     torch.testing.assert_close(h1, h2.transpose(-1, -2))
+    # FLA's deprecated name for the flag: a DeprecationWarning, the same layout; both names at once: ValueError
+    for fn in (dt.chunk_gated_delta_rule, dt.fused_recurrent_gated_delta_rule):
+        with pytest.warns(DeprecationWarning):
+            o3, h3 = fn(d["q"], d["k"], d["v"], g=d["g"], beta=d["beta"],
+                        initial_state=d["h0"].transpose(-1, -2).contiguous(), output_final_state=True,
+                        transpose_state_layout=True)
+        torch.testing.assert_close(o1, o3)
+        torch.testing.assert_close(h1, h3.transpose(-1, -2))
+        with pytest.raises(ValueError):
+            fn(d["q"], d["k"], d["v"], g=d["g"], beta=d["beta"], state_v_first=True, transpose_state_layout=True)
 
 
 def test_gate_in_kernel_and_beta_sigmoid():
