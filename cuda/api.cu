@@ -10,6 +10,7 @@
 
 #include "launch/backward.cuh"
 #include "launch/chunk.cuh"
+#include "launch/exact.cuh"
 #include "dgps/cuda.hpp"
 #include "dgps/detail/check.hpp"
 #include "plan.hpp"
@@ -36,6 +37,21 @@ void copy_strides(int64_t* dst, const Tensor& t) {
 
 enum class Call { forward, decode, backward };
 
+bool exact_spec(const ModelSpec& s) {
+  return s.precond == precond::Kind::exact_atk || s.precond == precond::Kind::exact_atq;
+}
+
+/// An exact preconditioner's state tensor `t` ([N, H, K, K]: rows of K elements at stride[2], K rows at stride[1])
+/// when given; a diagonal layout [N, H, K] (stride[2] = 1) is refused naming the tensor.
+void check_exact_state(const char* name, const Tensor& t, int64_t K) {
+  if (!t.data) return;
+  if (t.stride[2] < K || t.stride[1] < K * t.stride[2])
+    throw Error(std::string("cuda: '") + name + "' of an exact preconditioner must be [N, H, K, K] (K = " +
+                std::to_string(K) + "): got strides [" + std::to_string(t.stride[0]) + ", " +
+                std::to_string(t.stride[1]) + ", " + std::to_string(t.stride[2]) + ", 1], rows of fewer than K " +
+                "elements (a diagonal preconditioner's [N, H, K]?)");
+}
+
 /// check.hpp's view of a cuda::Tensor for its presence rules (detail::resolve, detail::reject_unused): the
 /// pointer alone (the implicit rank: no host-side shape is implied).
 TensorView<const char> presence(const Tensor& t) {
@@ -51,7 +67,7 @@ void check_shared(const Params& p, Call call) {
   try {
     Options o;
     if (p.scale != 0.f) o.scale = p.scale;  // (0: the default 1/sqrt(K))
-    o.x = p.x, o.eps = p.eps;
+    o.x = p.x, o.eps = p.eps, o.lambda = p.lambda;
     double scale = 0;
     dgps::detail::check_options(o, p.K, scale);
     const std::string model = "by " + dgps::to_string(p.spec);
@@ -67,9 +83,12 @@ void check_shared(const Params& p, Call call) {
     else
       dgps::detail::resolve("beta", presence(p.beta), {}, true, model);
     const bool diag = p.spec.precond != precond::Kind::identity;
+    const bool exact = p.spec.precond == precond::Kind::exact_atk || p.spec.precond == precond::Kind::exact_atq;
     for (const auto& [name, t] :
          {std::pair<const char*, const Tensor*>{"g_p", &p.g_p}, {"beta_p", &p.beta_p}, {"center", &p.center}}) {
-      if (diag)
+      if (exact && std::string(name) == "center")
+        dgps::detail::reject_unused(name, presence(*t), "only the diagonal preconditioners use center");
+      else if (diag)
         dgps::detail::resolve(name, presence(*t), {}, true, model);
       else
         dgps::detail::reject_unused(name, presence(*t), std::string("precond=identity uses no ") + name);
@@ -90,7 +109,9 @@ void check(const Params& p, Call call) {
   const bool decode = call == Call::decode;
   if (!supports(p.spec, p.algorithm))
     throw Error("cuda: no " + std::string(dgps::to_string(p.algorithm)) + " algorithm for " + dgps::to_string(p.spec) +
-                " (the CUDA backend runs the Identity and diagonal preconditioners)");
+                (exact_spec(p.spec) ? " (the exact preconditioners have no chunkwise form: use the recurrent or automatic "
+                                      "algorithm)"
+                                    : ""));
   require(p.B >= 1 && p.H >= 1 && p.HV >= 1 && p.T >= 0 && p.N >= 1, "sizes B, H, HV, N must be >= 1 and T >= 0");
   if (p.HV % p.H != 0)
     throw Error("cuda: v_heads (" + std::to_string(p.HV) + ") must be a multiple of heads (" + std::to_string(p.H) +
@@ -99,6 +120,10 @@ void check(const Params& p, Call call) {
   require(p.V >= 1 && p.V <= (int64_t(1) << 30), "value_dim must be in [1, 2^30]");
   require(p.N <= 65535 && p.HV <= 65535, "at most 65535 sequences and 65535 value heads per call");
   check_shared(p, call);
+  if (exact_spec(p.spec)) {
+    check_exact_state("a0", p.a0, p.K);
+    check_exact_state("aT", p.aT, p.K);
+  }
   const bool diag = p.spec.precond != precond::Kind::identity;
   if (p.cu_seqlens) require(p.B == 1, "cu_seqlens requires batch == 1");
   if (!p.cu_seqlens) require(p.N == p.B, "without cu_seqlens N must equal B");
@@ -133,13 +158,16 @@ kernels::RecArgs make_args(const Params& p) {
   a.decay = static_cast<int>(p.spec.decay);  // none, scalar, diagonal: same order as kernels::DecayKind
   a.precond = p.spec.precond == precond::Kind::identity       ? kernels::kPrecondIdentity
               : p.spec.precond == precond::Kind::diagonal_atk ? kernels::kPrecondATK
-                                                              : kernels::kPrecondATQ;
+              : p.spec.precond == precond::Kind::diagonal_atq ? kernels::kPrecondATQ
+              : p.spec.precond == precond::Kind::exact_atk    ? kernels::kPrecondExactATK
+                                                              : kernels::kPrecondExactATQ;
   a.gate_dtype = static_cast<int>(p.gate_dtype);
   a.online = p.spec.solve == solve::Kind::online;
   a.l2norm = p.l2norm;
   a.scale = p.scale != 0.f ? p.scale : 1.f / std::sqrt(static_cast<float>(p.K));
   a.log_x = std::log(p.x);
   a.eps = p.eps;
+  a.lambda = p.lambda;
   return a;
 }
 
@@ -269,6 +297,47 @@ const char* launch_chunkwise(const Params& p, const kernels::RecArgs& a, Plan& p
   return run_chunkwise(c, plan, p.dtype, s);
 }
 
+/// The exact kernels' arguments of call `p` (`b`: the forward's inputs and, for the backward, the gradients).
+kernels::ExactArgs make_exact_args(const Params& p, const kernels::BwdArgs& b) {
+  kernels::ExactArgs e;
+  e.b = b;
+  e.KP = kernels::exact_keys(static_cast<int>(p.K));
+  e.ncb = static_cast<int>((p.V + kernels::kExactCols - 1) / kernels::kExactCols);
+  e.rows = p.B * p.T;
+  e.slots = e.rows / kernels::kExactChunk + p.N + 1;
+  return e;
+}
+
+/// Launches the exact kernels of `plan` on `e` (workspace laid out) for input type d; throws on a launch error.
+const char* run_exact(const kernels::ExactArgs& e, const Plan& plan, DType d, cudaStream_t s) {
+  cudaError_t err = cudaSuccess;
+  switch (d) {
+    case DType::f32:
+      err = kernels::launch_exact<float>(e, plan, s);
+      break;
+    case DType::bf16:
+      err = kernels::launch_exact<__nv_bfloat16>(e, plan, s);
+      break;
+    case DType::f16:
+      err = kernels::launch_exact<__half>(e, plan, s);
+      break;
+  }
+  throw_on(err, "exact kernel launch");
+  record_plan(plan);
+  return impl_name(plan);
+}
+
+/// The forward or decode of an exact preconditioner (`a` as the caller set it up).
+const char* exact_forward(const Params& p, const kernels::RecArgs& a, Plan::Kernel kernel, Workspace& ws,
+                          cudaStream_t s) {
+  kernels::BwdArgs b;
+  b.a = a;
+  kernels::ExactArgs e = make_exact_args(p, b);
+  void* base = ws.get(kernels::exact_workspace(e, false, nullptr));
+  kernels::exact_workspace(e, false, base);
+  return run_exact(e, plan_exact(kernel, a), p.dtype, s);
+}
+
 }  // namespace
 
 const char* forward(const Params& p, Workspace& ws, void* stream) {
@@ -277,6 +346,7 @@ const char* forward(const Params& p, Workspace& ws, void* stream) {
   ws.set_saved_forward(0);
   const kernels::RecArgs a = make_args(p);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (exact_spec(p.spec)) return exact_forward(p, a, Plan::Kernel::exact_forward, ws, s);
   Plan plan = plan_forward(p, a);
   if (plan.kernel == Plan::Kernel::chunkwise) return launch_chunkwise(p, a, plan, ws, s);
   return launch(a, plan, p.dtype, s, false);
@@ -290,6 +360,11 @@ const char* decode(const Params& p, Workspace& ws, void* stream) {
   a.hT = const_cast<float*>(a.h0);
   for (int d = 0; d < 3; ++d) a.shT[d] = a.sh0[d];
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (exact_spec(p.spec)) {  // P in place (each block reads its P before it writes it back)
+    a.aT = const_cast<float*>(a.a0);
+    for (int d = 0; d < 3; ++d) a.saT[d] = a.sa0[d];
+    return exact_forward(p, a, Plan::Kernel::exact_decode, ws, s);
+  }
   if (a.precond != kernels::kPrecondIdentity) {  // statistics in place; scratch for a private copy
     a.aT = const_cast<float*>(a.a0);
     for (int d = 0; d < 3; ++d) a.saT[d] = a.sa0[d];
@@ -315,6 +390,18 @@ void check_grads(const Params& p, const GradParams& g) {
   given_only_with(g.dg_p, p.g_p, "dg_p");
   given_only_with(g.dbeta_p, p.beta_p, "dbeta_p");
   given_only_with(g.dcenter, p.center, "dcenter");
+  if (exact_spec(p.spec)) {
+    check_exact_state("daT", g.daT, p.K);
+    check_exact_state("da0", g.da0, p.K);
+  }
+}
+
+/// The backward's exact-kernel arguments of `p` (the forward's outputs are not written).
+kernels::ExactArgs exact_backward_args(const Params& p, const kernels::BwdArgs& b) {
+  kernels::ExactArgs e = make_exact_args(p, b);
+  e.b.a.o = nullptr, e.b.a.hT = nullptr, e.b.a.aT = nullptr;
+  e.save = true;
+  return e;
 }
 
 kernels::BwdArgs make_bwd_args(const Params& p, const GradParams& g) {
@@ -394,6 +481,10 @@ kernels::ChunkArgs* chunk_backward_args(const Params& p, const Plan& plan, const
 
 size_t backward_workspace_bytes(const Params& p) {
   kernels::BwdArgs b = make_bwd_args(p, GradParams{});
+  if (exact_spec(p.spec)) {
+    kernels::ExactArgs e = exact_backward_args(p, b);
+    return kernels::exact_workspace(e, true, nullptr);
+  }
   kernels::ChunkArgs c;
   return layout_backward(b, chunk_backward_args(p, plan_backward(p, b.a), GradParams{}, b, c), nullptr);
 }
@@ -401,6 +492,7 @@ size_t backward_workspace_bytes(const Params& p) {
 const char* forward_training(const Params& p, Workspace& ws, void* stream) {
   require(available(), "no usable GPU");
   check(p, Call::forward);
+  if (exact_spec(p.spec)) return forward(p, ws, stream);  // the exact backward keeps nothing from the forward
   kernels::BwdArgs b = make_bwd_args(p, GradParams{});
   kernels::ChunkArgs c;
   kernels::ChunkArgs* cp = chunk_backward_args(p, plan_backward(p, b.a), GradParams{}, b, c, true);
@@ -419,6 +511,13 @@ const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* 
   check(p, Call::backward);
   check_grads(p, g);
   kernels::BwdArgs b = make_bwd_args(p, g);
+  if (exact_spec(p.spec)) {
+    ws.set_saved_forward(0);
+    kernels::ExactArgs e = exact_backward_args(p, b);
+    void* base = ws.get(kernels::exact_workspace(e, true, nullptr));
+    kernels::exact_workspace(e, true, base);
+    return run_exact(e, plan_exact(Plan::Kernel::exact_backward, e.b.a), p.dtype, static_cast<cudaStream_t>(stream));
+  }
   kernels::ChunkArgs c;
   Plan plan = plan_backward(p, b.a);
   kernels::ChunkArgs* cp = chunk_backward_args(p, plan, g, b, c);

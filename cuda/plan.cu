@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "launch/chunk.cuh"
+#include "launch/exact.cuh"
 #include "launch/recurrent.cuh"
 
 namespace dgps::cuda {
@@ -233,6 +234,15 @@ Plan plan_backward(const Params& p, const RecArgs& a) {
   return plan;
 }
 
+Plan plan_exact(Plan::Kernel kernel, const RecArgs& a) {
+  // The inverse Gram's tile: K padded to 16, 32, 64 or 128 keys (4 threads per row of P, a quarter of its
+  // columns each); the state kernels take the same padding.
+  Plan plan;
+  plan.kernel = kernel;
+  plan.exact_keys = exact_keys(a.K);
+  return plan;
+}
+
 Plan plan_backward_mode(const ChunkArgs& c) {
   Plan plan;
   plan.kernel = Plan::Kernel::chunkwise;
@@ -275,6 +285,18 @@ const char* impl_name(const Plan& p) {
       return "cuda/decode/w32";
     case K::backward_chunkwise:
       return p.saved ? "cuda/backward/chunkwise/saved" : "cuda/backward/chunkwise";
+    case K::exact_forward:
+    case K::exact_decode:
+    case K::exact_backward: {
+      static constexpr const char* names[3][4] = {
+          {"cuda/exact/k16", "cuda/exact/k32", "cuda/exact/k64", "cuda/exact/k128"},
+          {"cuda/exact/decode/k16", "cuda/exact/decode/k32", "cuda/exact/decode/k64", "cuda/exact/decode/k128"},
+          {"cuda/exact/backward/k16", "cuda/exact/backward/k32", "cuda/exact/backward/k64",
+           "cuda/exact/backward/k128"}};
+      const int row = p.kernel == K::exact_forward ? 0 : p.kernel == K::exact_decode ? 1 : 2;
+      const int col = p.exact_keys <= 16 ? 0 : p.exact_keys <= 32 ? 1 : p.exact_keys <= 64 ? 2 : 3;
+      return names[row][col];
+    }
     case K::backward_recurrent:
       break;
   }

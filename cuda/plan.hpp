@@ -31,12 +31,16 @@ struct Plan {
     decode_columns,      ///< one-token decode, a warp per 8 value columns (decode_warp_kernel)
     backward_chunkwise,  ///< the chunkwise backward (tensor cores)
     backward_recurrent,  ///< the float32 recurrent backward
+    exact_forward,       ///< the exact preconditioners' forward (launch/exact.cuh): inverse Gram, then the state
+    exact_decode,        ///< the same kernels in decode (states through slots, in place)
+    exact_backward,      ///< the exact preconditioners' backward (launch/exact.cuh)
   };
   Kernel kernel = Kernel::warp;
   int cols = 0;        ///< block-row and decode kernels: value columns per block (32, 64 or 128)
   int tokens = 0;      ///< block-row kernels: tokens staged per group (8 forward; 1 or 4 decode)
   int warp_keys = 0;   ///< warp kernel: key rows it covers (64 or 128)
   int warp_split = 0;  ///< warp kernel: threads per value column (1, 2 or 4)
+  int exact_keys = 0;  ///< exact kernels: K padded to their key tile (16, 32, 64 or 128)
   /// Decode with a diagonal preconditioner, not grouped: a key head's blocks form one thread block cluster
   /// (RecArgs::cluster_a), or else read the statistics from a private copy (one more small kernel).
   bool cluster_a = false, private_copy = false;
@@ -60,7 +64,8 @@ struct Plan {
 /// The name of the plan's variant (what the entry points return): "cuda/chunkwise/" + "wgmma/" (warpgroup pass) +
 /// "v128" (state tile) + "/raw" (raw q, k rows) + "/tma" + "/rv" (raw v rows) + "/kw" (kw_state) + "/split";
 /// "cuda/rowblock/v64"; "cuda/recurrent/k128/ks2"; "cuda/decode/w32", "/v32", "/v64", "/v64g", "/v128";
-/// "cuda/backward/chunkwise" ("/saved"), "cuda/backward/recurrent". The string lives as long as the program.
+/// "cuda/backward/chunkwise" ("/saved"), "cuda/backward/recurrent"; "cuda/exact/k128", "cuda/exact/decode/k128",
+/// "cuda/exact/backward/k128" (k16, k32, k64: exact_keys). The string lives as long as the program.
 const char* impl_name(const Plan& plan);
 
 /// The plan of a forward call: the chunkwise kernels (their choices are made by plan_chunkwise, which
@@ -71,6 +76,10 @@ Plan plan_forward(const Params& p, const kernels::RecArgs& a);
 /// The chunkwise forward's choices for call `p` with the geometry of `c` (api.cu's make_chunk_args): state
 /// tile, raw rows, split, look-back, warpgroup pass, layouts. Sets them in `plan` and in `c`.
 void plan_chunkwise(Plan& plan, const Params& p, kernels::ChunkArgs& c);
+
+/// The plan of a call with an exact preconditioner (forward, decode or backward: `kernel` is one of the three
+/// exact kernels): the key tile.
+Plan plan_exact(Plan::Kernel kernel, const kernels::RecArgs& a);
 
 /// The plan of a decode call (arguments `a` as decode passes them: h0 = hT, a0 = aT).
 Plan plan_decode(const kernels::RecArgs& a);

@@ -11,8 +11,9 @@ namespace dgps::cuda::kernels {
 
 /// Decay kinds as the kernels see them (SPEC §2).
 enum DecayKind : int { kDecayNone = 0, kDecayScalar = 1, kDecayDiagonal = 2 };
-/// Preconditioner kinds as the kernels see them (SPEC §2; exact kinds are not supported).
-enum PrecondKind : int { kPrecondIdentity = 0, kPrecondATK = 1, kPrecondATQ = 2 };
+/// Preconditioner kinds as the kernels see them (SPEC §2; the exact kinds run only the exact kernels,
+/// launch/exact.cuh).
+enum PrecondKind : int { kPrecondIdentity = 0, kPrecondATK = 1, kPrecondATQ = 2, kPrecondExactATK = 3, kPrecondExactATQ = 4 };
 
 /// Everything the recurrent kernel reads: raw device pointers, element strides of the first three
 /// dimensions of each tensor (the last one is contiguous), sizes and run-time policy switches.
@@ -38,6 +39,7 @@ struct RecArgs {
   /// they all read a0 before a cluster barrier, the one writing aT (= a0, in place) writes after it.
   bool cluster_a = false;
   float scale = 1, log_x = 0, eps = 0;
+  float lambda = 1;  ///< exact preconditioners: P_0 = I / lambda without a0
 };
 
 /// Tokens staged per group by the block-row kernel in decode with more than one token (calls normally

@@ -30,7 +30,8 @@ inline const char* to_string(DType d) {
 /// last dimension is contiguous, so a rank-3 tensor has stride[2] == 1). Absent tensors have
 /// `data == nullptr`.
 /// Layouts (SPEC §1): q, k [B,T,H,K]; v, o [B,T,HV,V]; g [B,T,HV] or [B,T,HV,K]; beta [B,T,HV];
-/// g_p, beta_p [B,T,H]; center [H]; h0, hT [N,HV,K,V]; a0, aT [N,H,K].
+/// g_p, beta_p [B,T,H]; center [H]; h0, hT [N,HV,K,V]; a0, aT [N,H,K] (diagonal preconditioners) or
+/// [N,H,K,K] (exact preconditioners: the inverse Gram P, rows of stride[2] elements).
 struct Tensor {
   const void* data = nullptr;
   int64_t stride[3] = {0, 0, 0};
@@ -48,7 +49,7 @@ struct Tensor {
 
 /// Everything a CUDA forward or decode call needs (the params struct at the kernel boundary).
 struct Params {
-  ModelSpec spec;                   ///< the recurrence (SPEC §2); exact preconditioners are not supported
+  ModelSpec spec;                   ///< the recurrence (SPEC §2), every decay, gain, preconditioner and solve
   DType dtype = DType::bf16;        ///< element type of q, k, v and o
   DType gate_dtype = DType::f32;    ///< element type of g, beta, g_p, beta_p, center
   int64_t B = 1, T = 0, H = 1, HV = 1, K = 0, V = 0;
@@ -61,9 +62,11 @@ struct Params {
   float scale = 0;                  ///< multiplies q after the L2 norm; 0 means 1/sqrt(K)
   float x = 1.5f;                   ///< squash bound of the diagonal preconditioners
   float eps = 1e-6f;                ///< inside log(A + eps)
+  float lambda = 1.f;               ///< ridge of the exact preconditioners (P_0 = I / lambda without a0), > 0
   bool l2norm = true;               ///< L2-normalise q and k per head (SPEC §1)
   /// `automatic`: the chunkwise tensor-core kernels for bf16/f16 inputs where they cover the model
-  /// (every decay, K, V <= 128), else the float32 recurrent kernels. `chunkwise` forces the
+  /// (every decay, K, V <= 128, not the exact preconditioners), else the float32 recurrent kernels (the
+  /// exact preconditioners: the exact kernels, launch/exact.cuh). `chunkwise` forces the
   /// former (its products use 16-bit operands, so float32 inputs then see bf16-level rounding, about
   /// 1e-2 relative); `recurrent` the latter.
   Algorithm algorithm = Algorithm::automatic;
@@ -105,13 +108,17 @@ bool available();
 /// True when `p` points to device (or managed) memory of the current device.
 bool is_device_pointer(const void* p);
 
-/// True when the CUDA backend implements model `spec` with `algorithm`: every decay, gain and solve
-/// with the Identity or diagonal preconditioners (not the exact ones) for the recurrent algorithm;
-/// the chunkwise algorithm (tensor cores, SPEC §4) for the same models (K, V <= 128).
+/// True when the CUDA backend implements model `spec` with `algorithm`: every decay, gain and solve with
+/// the Identity, diagonal and exact preconditioners for the recurrent (and automatic) algorithm; the
+/// chunkwise algorithm (tensor cores, SPEC §4) for the Identity and diagonal ones (K, V <= 128). The exact
+/// preconditioners (ExactATK: Mesa layer, ExactATQ: ridge readout) have no chunkwise form (SPEC §4 covers the
+/// diagonal ones): they run the exact kernels, the inverse Gram P (K x K, K <= 128) kept in float64.
 constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::automatic) {
   const bool diag_or_identity = spec.precond == precond::Kind::identity ||
                                 spec.precond == precond::Kind::diagonal_atk ||
                                 spec.precond == precond::Kind::diagonal_atq;
+  const bool exact = spec.precond == precond::Kind::exact_atk || spec.precond == precond::Kind::exact_atq;
+  if (exact) return algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent;
   return diag_or_identity && (algorithm == Algorithm::automatic || algorithm == Algorithm::recurrent ||
                               algorithm == Algorithm::chunkwise);
 }
@@ -127,7 +134,8 @@ constexpr bool supports(const ModelSpec& spec, Algorithm algorithm = Algorithm::
 /// instead of reading W and U, "/kw" when it also forms PGDN's and PDN's write keys, "/split" when a few long
 /// sequences' pass runs in segments), "cuda/rowblock/v64" (block-row kernel, 64 value
 /// columns per block), "cuda/rowblock/v32", or "cuda/recurrent/k128/ks2" (warp kernel, used when
-/// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0).
+/// the state rows cannot move 16 bytes at a time, e.g. V % 4 != 0). The exact preconditioners:
+/// "cuda/exact/k128" (or k64, k32, k16: K padded to the kernels' key tile), see launch/exact.cuh.
 const char* forward(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Forward pass of a training step: writes what `forward` writes and keeps in `ws` the activations
@@ -151,7 +159,9 @@ const char* forward_training(const Params& p, Workspace& ws, void* stream = null
 /// statistics it owns; with a small batch, one token and no preconditioner, a warp per 8 value
 /// columns and no block barrier. Returns "cuda/decode/v64g" (that grouped kernel), "cuda/decode/w32"
 /// (the warp-column kernel), "cuda/decode/v64" or "cuda/decode/v32" (one token), "cuda/decode/v128"
-/// or "cuda/decode/v32" (more tokens), or the warp kernel's name.
+/// or "cuda/decode/v32" (more tokens), or the warp kernel's name. The exact preconditioners: the inverse Gram P
+/// ([N, H, K, K] through `slots` like h) and h updated in place by the exact kernels, "cuda/exact/decode/k128"
+/// (k64, k32, k16).
 const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 
 /// Cotangents and gradient destinations of a CUDA backward call (device tensors, same layouts as the
@@ -161,14 +171,14 @@ const char* decode(const Params& p, Workspace& ws, void* stream = nullptr);
 /// is present (dh0/da0 are always allowed: the gradient with respect to a zero initial state).
 struct GradParams {
   Tensor d_o;                                  ///< [B, T, HV, V] cotangent of o (dtype)
-  Tensor dhT, daT;                             ///< optional cotangents of hT [N, HV, K, V] and aT [N, H, K]
+  Tensor dhT, daT;                             ///< optional cotangents of hT [N, HV, K, V] and aT ([N, H, K] or [N, H, K, K])
   Tensor dq, dk, dv;                           ///< [B, T, H, K], [B, T, H, K], [B, T, HV, V]
   Tensor dg, dbeta, dg_p, dbeta_p, dcenter;    ///< shapes of g, beta, g_p, beta_p, center
-  Tensor dh0, da0;                             ///< [N, HV, K, V], [N, H, K]
+  Tensor dh0, da0;                             ///< [N, HV, K, V], [N, H, K] (exact: [N, H, K, K])
 };
 
-/// True when the CUDA backend has a backward for model `spec`: the forward's coverage (Identity and
-/// diagonal preconditioners, every decay, gain and solve).
+/// True when the CUDA backend has a backward for model `spec`: the forward's coverage (Identity, diagonal and
+/// exact preconditioners, every decay, gain and solve).
 constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, Algorithm::recurrent); }
 
 /// Backward pass (SPEC §3.8): the gradients of `sum(o * d_o) + sum(hT * dhT) + sum(aT * daT)` with
@@ -183,7 +193,10 @@ constexpr bool supports_backward(const ModelSpec& spec) { return supports(spec, 
 ///  - otherwise (Algorithm::recurrent, float32 inputs, K < 64), float32 state
 ///    arithmetic throughout: a recurrent pass saves the state every 64 tokens, a reverse pass carries
 ///    its gradient, and the per-token gradients are formed chunk by chunk. Returns
-///    "cuda/backward/recurrent".
+///    "cuda/backward/recurrent";
+///  - the exact preconditioners (any input type): their own kernels (launch/exact.cuh), the state side in float32
+///    with checkpoints, the inverse Gram and its gradient in float64 run back token by token (P undone by the
+///    inverse Sherman-Morrison step). Returns "cuda/exact/backward/k128" (k64, k32, k16).
 /// Runs on `stream` without host synchronisation. Throws dgps::Error for a call it cannot run
 /// (nothing is launched then).
 const char* backward(const Params& p, const GradParams& g, Workspace& ws, void* stream = nullptr);

@@ -182,14 +182,46 @@ TEST_CASE("unified API: the CUDA branch validates like the CPU and refuses what 
     CHECK_THROWS_WITH_AS(dgps::forward<dgps::GDN>(f.in, f.out(), with(dgps::Backend::cuda)),
                          doctest::Contains("no float64 kernels"), dgps::Error);
   }
-  {
+  {  // The exact preconditioners have no chunkwise form on the GPU.
     Fixture<dgps::MesaLayer, dgps::bf16> f;
     f.on_device();
     dgps::Outputs<dgps::bf16> out = dgps::outputs<dgps::bf16>(f.o.data());
-    CHECK_THROWS_WITH_AS(dgps::forward<dgps::MesaLayer>(f.in, out, with(dgps::Backend::cuda)),
-                         doctest::Contains("backend 'cuda' has no"), dgps::Error);
+    dgps::Options opt = with(dgps::Backend::cuda);
+    opt.algorithm = dgps::Algorithm::chunkwise;
+    CHECK_THROWS_WITH_AS(dgps::forward<dgps::MesaLayer>(f.in, out, opt),
+                         doctest::Contains("backend 'cuda' has no chunkwise algorithm"), dgps::Error);
   }
   CHECK(fake_cuda::called.empty());
+}
+
+TEST_CASE("unified API: the exact preconditioners reach dgps::cuda with lambda and the [N, H, K, K] state") {
+  fake_cuda::reset(true);
+  Fixture<dgps::MesaLayer, dgps::bf16> f;
+  f.on_device();
+  std::vector<float> aT(size_t(2 * 2 * 8 * 8));
+  dgps::Options opt = with(dgps::Backend::cuda);
+  opt.lambda = 0.5;
+  (void)dgps::forward<dgps::MesaLayer>(f.in, dgps::outputs<dgps::bf16>(f.o.data()).final_state(f.hT.data(), aT.data()),
+                                       opt);
+  REQUIRE(fake_cuda::called == "forward");
+  const dgps::cuda::Params& p = fake_cuda::params;
+  CHECK(p.spec == dgps::spec_of<dgps::MesaLayer>());
+  CHECK(p.lambda == 0.5f);
+  CHECK(p.a0.data == f.ct.ps("a0"));
+  CHECK((p.a0.stride[0] == 2 * 8 * 8 && p.a0.stride[1] == 8 * 8 && p.a0.stride[2] == 8));
+  CHECK(p.aT.data == aT.data());
+  CHECK(p.center.data == nullptr);
+  // a0 of a diagonal preconditioner's shape [N, H, K] is refused before any call, naming the tensor.
+  fake_cuda::reset(true);
+  f.on_device();
+  dgps::Inputs<dgps::bf16> bad = f.in;
+  bad.a0 = dgps::view<const float>(f.ct.ps("a0"), {2, 2, 8});
+  CHECK_THROWS_WITH_AS(dgps::forward<dgps::MesaLayer>(bad, dgps::outputs<dgps::bf16>(f.o.data()), opt),
+                       doctest::Contains("a0"), dgps::Error);
+  CHECK(fake_cuda::called.empty());
+  CHECK(dgps::supports<dgps::MesaLayer>(dgps::Backend::cuda));
+  CHECK(dgps::supports<dgps::RidgeReadout>(dgps::Backend::cuda, dgps::Algorithm::recurrent));
+  CHECK_FALSE(dgps::supports<dgps::RidgeReadout>(dgps::Backend::cuda, dgps::Algorithm::chunkwise));
 }
 
 TEST_CASE("unified API: bf16 backward and f16 decode reach dgps::cuda") {

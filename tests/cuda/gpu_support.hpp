@@ -202,6 +202,7 @@ struct DeviceCase {
     p.scale = float(c.opt.scale ? *c.opt.scale : 1.0 / std::sqrt(double(K)));
     p.x = float(c.opt.x);
     p.eps = float(c.opt.eps);
+    p.lambda = float(c.opt.lambda);
     p.l2norm = c.opt.l2norm_qk;
     p.algorithm = alg;
   }
@@ -268,6 +269,9 @@ inline Arrays reference_forward(const Case& c) {
 
 /// The backward-pass tests (test_cuda_backward.cpp); `quick`: float32 conformance and one small random case.
 void backward_tests(dgps::cuda::Workspace& ws, bool quick);
+
+/// The exact preconditioners' tests (test_cuda_exact.cpp); `quick`: the small shapes only.
+void exact_tests(dgps::cuda::Workspace& ws, bool quick);
 
 /// FLA's metric rms(x - ref) / rms(ref) (rms(x - ref) when ref is zero); infinity if any x is not finite.
 inline double rms_rel(const std::vector<double>& x, const std::vector<double>& ref) {

@@ -3,7 +3,8 @@
 ///
 /// Skips (exit 0, with a message) when no GPU is present, so CI can build it without a GPU.
 /// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer);
-/// `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases).
+/// `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases); `--exact` only the
+/// exact preconditioners' tests (test_cuda_exact.cpp; with `--quick` their small shapes).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -87,8 +88,8 @@ std::string compare(const std::string& name, const Case& c, DType d, DType gd, d
 void conformance(dgps::cuda::Workspace& ws) {
   for (const auto& name : dgps_test::case_names()) {
     const Case c = dgps_test::load_case(name);
-    if (!dgps::cuda::supports(c.spec)) {
-      std::printf("skip  %-44s (exact preconditioner: not on the CUDA backend)\n", name.c_str());
+    if (dgps_test::is_exact(c.spec)) {
+      std::printf("skip  %-44s (exact preconditioner: test_cuda_exact.cpp)\n", name.c_str());
       continue;
     }
     Arrays gold;
@@ -870,6 +871,11 @@ void plan_names() {
     p.kernel = k, p.cols = cols, p.warp_keys = keys, p.warp_split = split;
     return p;
   };
+  auto exact = [](Plan::Kernel k, int keys) {
+    Plan p;
+    p.kernel = k, p.exact_keys = keys;
+    return p;
+  };
   using K = Plan::Kernel;
   const std::pair<Plan, const char*> names[] = {
       {chunk(16, false, false, false, false, false, 0), "cuda/chunkwise/v16"},
@@ -887,6 +893,9 @@ void plan_names() {
       {of(K::decode_rowblock, 128), "cuda/decode/v128"},
       {of(K::decode_grouped, 64), "cuda/decode/v64g"},
       {of(K::backward_recurrent, 0), "cuda/backward/recurrent"},
+      {exact(K::exact_forward, 16), "cuda/exact/k16"},
+      {exact(K::exact_decode, 64), "cuda/exact/decode/k64"},
+      {exact(K::exact_backward, 128), "cuda/exact/backward/k128"},
   };
   for (const auto& [plan, want] : names) {
     const std::string got = dgps::cuda::impl_name(plan);
@@ -900,13 +909,22 @@ int main(int argc, char** argv) {
     std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run (plan names: %d failure(s))\n", g_failures);
     return g_failures ? 1 : 0;
   }
-  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  bool quick = false, exact_only = false;
+  for (int i = 1; i < argc; ++i) {
+    quick = quick || std::string(argv[i]) == "--quick";
+    exact_only = exact_only || std::string(argv[i]) == "--exact";
+  }
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "device properties");
   std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
   dgps::cuda::Workspace ws;
   const bool kw_only = argc > 1 && std::string(argv[1]) == "--kw-state";  // (for compute-sanitizer)
   try {
+    if (exact_only) {
+      exact_tests(ws, quick);
+      std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
+      return g_failures ? 1 : 0;
+    }
     if (kw_only) {
       kw_state_cases(ws, false);
       std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
@@ -951,6 +969,7 @@ int main(int argc, char** argv) {
     decode_graph_case("pgdn", 300, seed++, ws);
     public_api();
     backward_tests(ws, quick);
+    exact_tests(ws, quick);
     unified_tests();
   } catch (const std::exception& e) {
     std::printf("FAIL  exception: %s\n", e.what());

@@ -88,6 +88,7 @@ cuda::Params cuda_params(const Problem<T>& p, const int64_t* cu_seqlens, const i
   c.scale = static_cast<float>(p.scale);
   c.x = static_cast<float>(p.x);
   c.eps = static_cast<float>(p.eps);
+  c.lambda = static_cast<float>(p.lambda);
   c.l2norm = p.l2norm;
   c.algorithm = algorithm;
   return c;
