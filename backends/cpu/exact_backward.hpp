@@ -4,11 +4,11 @@
 /// One task per (sequence, key head) with its r = HV / H value heads. The recurrence has no chunkwise form here, so
 /// the backward walks the tokens in reverse (SPEC §3.8):
 ///  1. a forward sweep runs the inverse Gram P over the whole sequence (ExactPre of decode.hpp, the forward's own
-///     steps) and keeps, per token, y = P_{t-1} k (and w = P_{t-1} q for ExactATQ) and four scalars in double,
+///     steps) and keeps, per token, y = P_{t-1} k (and w = P_{t-1} q for ExactATQ) and six scalars in double,
 ///     and the states S every `chunk` tokens;
-///  2. per chunk, in reverse: the chunk's states are recomputed with sub-checkpoints every kExactSub tokens, and
-///     per sub-block the states S_{t-1} of its tokens are held; the state gradient dS runs back over the tokens
-///     (dv, dbeta, dg, and the gradients of the read query, read key and write key), then
+///  2. per chunk, in reverse: the chunk's states are recomputed once and held, S_{t-1} of every token (when they
+///     fit in kExactHoldBytes; else per sub-block of the chunk, from sub-checkpoints); the state gradient dS runs
+///     back over the tokens (dv, dbeta, dg, and the gradients of the read query, read key and write key), then
 ///  3. the preconditioner's gradient runs back over the same tokens. P_{t-1} = a P_t + f y y^T undoes the
 ///     Sherman-Morrison step exactly (a sum of two positive semi-definite terms, no cancellation), so P is never
 ///     stored per token. The gradient Pi = dL/dP (raw: of the update as written, y = P k and z = P^T k apart, as
@@ -19,7 +19,8 @@
 ///     (c = f = beta_p / den, den = a + beta_p kappa, kappa = k^T y). One sweep over P and Pi per token does the
 ///     step of token t and the reads of token t - 1 (G y, G^T y, <G, P>, P dm; P is symmetric, so products with it
 ///     are column sums).
-/// Memory per task: O(L K) doubles (the y rows), O(L / chunk r K V) for the checkpoints, O(kExactSub r K V).
+/// Memory per task: O(L K) doubles (the y rows), O(L / chunk r K V) for the checkpoints, and the held states
+/// (at most max(kExactHoldBytes, kExactSub r K V elements)).
 #pragma once
 
 #include <cmath>
