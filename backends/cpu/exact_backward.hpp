@@ -4,11 +4,11 @@
 /// One task per (sequence, key head) with its r = HV / H value heads. The recurrence has no chunkwise form here, so
 /// the backward walks the tokens in reverse (SPEC §3.8):
 ///  1. a forward sweep runs the inverse Gram P over the whole sequence (ExactPre of decode.hpp, the forward's own
-///     steps) and keeps, per token, y = P_{t-1} k (and w = P_{t-1} q for ExactATQ) and four scalars in double,
+///     steps) and keeps, per token, y = P_{t-1} k (and w = P_{t-1} q for ExactATQ) and six scalars in double,
 ///     and the states S every `chunk` tokens;
-///  2. per chunk, in reverse: the chunk's states are recomputed with sub-checkpoints every kExactSub tokens, and
-///     per sub-block the states S_{t-1} of its tokens are held; the state gradient dS runs back over the tokens
-///     (dv, dbeta, dg, and the gradients of the read query, read key and write key), then
+///  2. per chunk, in reverse: the chunk's states are recomputed once and held, S_{t-1} of every token (when they
+///     fit in kExactHoldBytes; else per sub-block of the chunk, from sub-checkpoints); the state gradient dS runs
+///     back over the tokens (dv, dbeta, dg, and the gradients of the read query, read key and write key), then
 ///  3. the preconditioner's gradient runs back over the same tokens. P_{t-1} = a P_t + f y y^T undoes the
 ///     Sherman-Morrison step exactly (a sum of two positive semi-definite terms, no cancellation), so P is never
 ///     stored per token. The gradient Pi = dL/dP (raw: of the update as written, y = P k and z = P^T k apart, as
@@ -19,7 +19,8 @@
 ///     (c = f = beta_p / den, den = a + beta_p kappa, kappa = k^T y). One sweep over P and Pi per token does the
 ///     step of token t and the reads of token t - 1 (G y, G^T y, <G, P>, P dm; P is symmetric, so products with it
 ///     are column sums).
-/// Memory per task: O(L K) doubles (the y rows), O(L / chunk r K V) for the checkpoints, O(kExactSub r K V).
+/// Memory per task: O(L K) doubles (the y rows), O(L / chunk r K V) for the checkpoints, and the held states
+/// (at most max(kExactHoldBytes, kExactSub r K V elements)).
 #pragma once
 
 #include <cmath>
@@ -37,7 +38,9 @@
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
 namespace {
 
-/// Tokens whose states S_{t-1} the backward holds at once (kExactSub r K V elements).
+/// Bytes of states S_{t-1} the backward holds at once: a chunk's states when they fit (one recomputation of the
+/// chunk), else sub-blocks of this size, at least kExactSub tokens, from sub-checkpoints (a second recomputation).
+constexpr int64_t kExactHoldBytes = int64_t(8) << 20;
 constexpr int64_t kExactSub = 8;
 
 /// Sum of the lanes.
@@ -49,34 +52,60 @@ inline T lane_sum(const typename Vec<T>::type& x) {
 // ---------------------------------------------------------------------------------------------
 // The state side (T): K rows of Vp (zero padding), one value head.
 
-/// One token: u = v - sum_c ck[c] S[c,:] (Online) or v, then S[c,:] = fac[c] S[c,:] + w[c] u (w = beta kw). The
-/// state before the token is copied to `keep` when given. `u` holds v on entry (Vp, zero padding).
+/// The residual read of one token (Online): u -= sum_c ck[c] S[c,:] (u holds v on entry; rows of Vp).
 template <class T>
-void state_step(T* S, int64_t K, int64_t Vp, const T* fac, const T* ck, const T* w, bool online, T* u, T* keep) {
+void state_read(const T* S, int64_t K, int64_t Vp, const T* ck, T* u) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  if (online || keep) {
-    for (int64_t e = 0; e < Vp; e += 4 * L) {
-      const int nb = int(imin(4, (Vp - e) / L));
-      V acc[4] = {};
-      for (int64_t c = 0; c < K; ++c) {
-        const T* row = S + c * Vp + e;
-        const V x = vsplat(-ck[c]);
-        for (int v = 0; v < nb; ++v) {
-          const V s = vload(row + v * L);
-          if (keep) vstore(keep + c * Vp + e + v * L, s);
-          acc[v] += x * s;
-        }
+  for (int64_t e = 0; e < Vp; e += 4 * L) {
+    const int nb = int(imin(4, (Vp - e) / L));
+    V acc[4] = {};
+    for (int64_t c = 0; c < K; ++c) {
+      const T* row = S + c * Vp + e;
+      const V x = vsplat(ck[c]);
+      for (int v = 0; v < nb; ++v) acc[v] += x * vload(row + v * L);
+    }
+    for (int v = 0; v < nb; ++v) vstore(u + e + v * L, vload(u + e + v * L) - acc[v]);
+  }
+}
+
+/// Columns [e, e + NB L) of state_write.
+template <class T, int NB>
+inline void state_write_block(const T* Si, T* So, int64_t K, int64_t Vp, const T* fac, const T* w, const T* u,
+                              const T* ckn, T* un) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  V uu[NB], acc[NB];
+  for (int v = 0; v < NB; ++v) uu[v] = vload(u + v * L), acc[v] = V{};
+  for (int64_t c = 0; c < K; ++c) {
+    const T* ri = Si + c * Vp;
+    T* ro = So + c * Vp;
+    const V f = vsplat(fac[c]), x = vsplat(w[c]);
+    if (ckn) {
+      const V y = vsplat(ckn[c]);
+      for (int v = 0; v < NB; ++v) {
+        const V s = f * vload(ri + v * L) + x * uu[v];
+        vstore(ro + v * L, s);
+        acc[v] += y * s;
       }
-      if (online)
-        for (int v = 0; v < nb; ++v) vstore(u + e + v * L, vload(u + e + v * L) + acc[v]);
+    } else {
+      for (int v = 0; v < NB; ++v) vstore(ro + v * L, f * vload(ri + v * L) + x * uu[v]);
     }
   }
-  for (int64_t c = 0; c < K; ++c) {
-    T* row = S + c * Vp;
-    const V f = vsplat(fac[c]), x = vsplat(w[c]);
-    for (int64_t e = 0; e < Vp; e += L) vstore(row + e, f * vload(row + e) + x * vload(u + e));
-  }
+  if (ckn)
+    for (int v = 0; v < NB; ++v) vstore(un + v * L, vload(un + v * L) - acc[v]);
+}
+
+/// One token's write So[c,:] = fac[c] Si[c,:] + w[c] u (w = beta kw; So may be Si), fused with the next token's
+/// residual read un -= sum_c ckn[c] So[c,:] when ckn is given (Online; un holds the next v on entry).
+template <class T>
+void state_write(const T* Si, T* So, int64_t K, int64_t Vp, const T* fac, const T* w, const T* u, const T* ckn,
+                 T* un) {
+  constexpr int L = Vec<T>::L, NB = 4;
+  int64_t e = 0;
+  for (; e + NB * L <= Vp; e += NB * L)
+    state_write_block<T, NB>(Si + e, So + e, K, Vp, fac, w, u + e, ckn, ckn ? un + e : nullptr);
+  for (; e < Vp; e += L) state_write_block<T, 1>(Si + e, So + e, K, Vp, fac, w, u + e, ckn, ckn ? un + e : nullptr);
 }
 
 /// What the state side of one token's backward gives the key side.
@@ -89,137 +118,193 @@ struct StateGrads {
 
 /// Backward of one token on one value head. dS (rows of Vp) holds dL/dS_t on entry, dL/dS_{t-1} on exit. Sp is
 /// S_{t-1}, u the residual (or v), dout the output's cotangent (Vp, zero padding); fac the decay factors, kn, qr,
-/// kw the token's read key, read query, write key, bet the gain. Writes dv (Vp) and returns dbeta; the per-row
-/// decay gradient fac[c] (Sp[c,:] . dSbar[c,:]) goes to dgc.
+/// kw the token's read key, read query, write key (Kp, zero padding), bet the gain. Writes dv (Vp) and returns
+/// dbeta; with dgc, the per-row decay gradient fac[c] (Sp[c,:] . dSbar[c,:]) goes there. The row sums run on L rows
+/// at a time (lane_sums: one transposing reduction instead of L horizontal sums).
 template <class T>
-T state_backward(T* dS, const T* Sp, int64_t K, int64_t Vp, const T* u, const T* dout, const T* fac, const T* kn,
-                 const T* qr, const T* kw, T bet, bool online, const StateGrads<T>& g, T* dv, T* dgc) {
+[[gnu::noinline]] T state_backward(T* dS, const T* Sp, int64_t K, int64_t Vp, const T* u, const T* dout,
+                                   const T* fac, const T* kn, const T* qr, const T* kw, T bet, bool online,
+                                   bool decayed, const StateGrads<T>& g, T* dv, T* dgc) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  // Pass 1: dS_t += qr do^T; su = dS_t u, sd = Sp do, du = sum_c kw[c] dS_t[c,:].
+  // Pass 1: dS_t += qr do^T; su = dS_t u, sd = Sp do, dv = bet sum_c kw[c] dS_t[c,:].
   for (int64_t e = 0; e < Vp; e += L) vstore(dv + e, V{});
-  const T udo = dotv(u, dout, Vp);
-  T db = 0;
-  for (int64_t c = 0; c < K; ++c) {
-    T* row = dS + c * Vp;
-    const T* sp = Sp + c * Vp;
-    const V q = vsplat(qr[c]), w = vsplat(kw[c]);
-    V su{}, sd{};
-    for (int64_t e = 0; e < Vp; e += L) {
-      const V d = vload(dout + e);
-      const V x = vload(row + e) + q * d;
-      vstore(row + e, x);
-      su += x * vload(u + e);
-      sd += vload(sp + e) * d;
-      vstore(dv + e, vload(dv + e) + w * x);
+  const V vbu = vsplat(bet * dotv(u, dout, Vp)), vb = vsplat(bet);
+  V dbv{};
+  for (int64_t c0 = 0; c0 < K; c0 += L) {
+    V su[L], sd[L];
+    for (int l = 0; l < L; ++l) {
+      const int64_t c = c0 + l;
+      su[l] = sd[l] = V{};
+      if (c >= K) continue;
+      T* row = dS + c * Vp;
+      const T* sp = Sp + c * Vp;
+      const V q = vsplat(qr[c]), w = vsplat(kw[c]);
+      V a{}, bb{};  // (registers: an indexed array element would carry the sum through memory)
+      for (int64_t e = 0; e < Vp; e += L) {
+        const V d = vload(dout + e);
+        const V x = vload(row + e) + q * d;
+        vstore(row + e, x);
+        a += x * vload(u + e);
+        bb += vload(sp + e) * d;
+        vstore(dv + e, vload(dv + e) + w * x);
+      }
+      su[l] = a, sd[l] = bb;
     }
-    const T suc = lane_sum<T>(su);
-    g.dqr[c] += fac[c] * lane_sum<T>(sd) + bet * kw[c] * udo;
-    g.dkw[c] += bet * suc;
-    db += kw[c] * suc;
+    const V ssu = lane_sums<T>(su), ssd = lane_sums<T>(sd), kwc = vload(kw + c0);
+    vstore(g.dqr + c0, vload(g.dqr + c0) + vload(fac + c0) * ssd + vbu * kwc);
+    vstore(g.dkw + c0, vload(g.dkw + c0) + vb * ssu);
+    dbv += kwc * ssu;
   }
-  const V vb = vsplat(bet);
   for (int64_t e = 0; e < Vp; e += L) vstore(dv + e, vb * vload(dv + e));
-  // Pass 2: dSbar = dS_t - kn du^T (Online), dkn -= Sbar du, dgc = fac (Sp . dSbar), dS_{t-1} = fac dSbar.
-  for (int64_t c = 0; c < K; ++c) {
-    T* row = dS + c * Vp;
-    const T* sp = Sp + c * Vp;
-    const V kc = vsplat(online ? kn[c] : T(0)), f = vsplat(fac[c]);
-    V sr{}, sg{};
-    for (int64_t e = 0; e < Vp; e += L) {
-      const V s = vload(sp + e);
-      const V x = vload(row + e) - kc * vload(dv + e);
-      sr += s * vload(dv + e);
-      sg += s * x;
-      vstore(row + e, f * x);
+  // Pass 2: dSbar = dS_t - kn dv^T (Online), dkn -= fac (Sp dv), dgc = fac (Sp . dSbar), dS_{t-1} = fac dSbar
+  // (nothing to do Offline without decay).
+  if (!online && !dgc && !decayed) return hsum<T>(dbv);
+  for (int64_t c0 = 0; c0 < K; c0 += L) {
+    V sr[L], sg[L];
+    for (int l = 0; l < L; ++l) {
+      const int64_t c = c0 + l;
+      sr[l] = sg[l] = V{};
+      if (c >= K) continue;
+      T* row = dS + c * Vp;
+      const T* sp = Sp + c * Vp;
+      const V kc = vsplat(online ? kn[c] : T(0)), f = vsplat(fac[c]);
+      V a{}, bb{};
+      if (dgc) {
+        for (int64_t e = 0; e < Vp; e += L) {
+          const V sv = vload(sp + e);
+          const V x = vload(row + e) - kc * vload(dv + e);
+          a += sv * vload(dv + e);
+          bb += sv * x;
+          vstore(row + e, f * x);
+        }
+        sr[l] = a, sg[l] = bb;
+      } else if (online) {
+        for (int64_t e = 0; e < Vp; e += L) {
+          const V x = vload(row + e) - kc * vload(dv + e);
+          a += vload(sp + e) * vload(dv + e);
+          vstore(row + e, f * x);
+        }
+        sr[l] = a;
+      } else {
+        for (int64_t e = 0; e < Vp; e += L) vstore(row + e, f * vload(row + e));
+      }
     }
-    if (online) g.dkn[c] -= fac[c] * lane_sum<T>(sr);
-    dgc[c] = fac[c] * lane_sum<T>(sg);
+    const V fc = vload(fac + c0);
+    if (online) vstore(g.dkn + c0, vload(g.dkn + c0) - fc * lane_sums<T>(sr));
+    if (dgc) vstore(dgc + c0, fc * lane_sums<T>(sg));
   }
-  return db;
+  return hsum<T>(dbv);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The preconditioner side (double): P and Pi, K rows of ld.
 
-/// Token t's step of the sweep (null when the sweep only reads): px = P_t x; P_{t-1} = a P_t + fy y^T (fy = f y);
-/// Pi_{t-1} = ia Pi_t + dma tgt^T + dy k^T + k dz^T (dma = dm / a).
+/// Token t's step of the sweep: px = P_t x; P_{t-1} = a P_t + fy y^T (fy = f y);
+/// Pi_{t-1} = ia Pi_t + u1 w1^T + u2 w2^T (+ u3 w3^T): dm / a tgt^T + dy k^T + k dz^T, for ExactATK (tgt = k) the
+/// rank-two (dm / a + dy) k^T + k dz^T.
 struct PiStep {
-  const double* x;
+  const double *x, *fy, *y, *u1, *w1, *u2, *w2, *u3, *w3;
   double* px;
   double a, ia;
-  const double *fy, *y, *dma, *tgt, *dy, *k, *dz;
 };
-/// Token t-1's reads on the rows the step writes (null y when none): A1 = Pi y, A2 = Pi^T y, s1 = <P, Pi>,
-/// pdm = P dm. `rowacc` has K * L doubles of scratch.
+/// Token t-1's reads on the rows the step writes: A1 = Pi y, A2 = Pi^T y, s1 = <P, Pi>, pdm = P dm. `rowacc` has
+/// ld * L doubles of scratch.
 struct PiReads {
   const double *y, *dm;
   double *A1, *A2, *pdm, *s1, *rowacc;
 };
 
-template <int NB>
-inline void pi_block(double* P, double* Pi, int64_t K, int64_t ld, int64_t e, const PiStep* st, const PiReads* rd,
-                     typename Vec<double>::type& s1acc) {
+/// Columns [e, e + NB L) of pi_sweep: the step (ST) and the reads (RD); R3: a rank-three update of Pi. The
+/// pointers are copied to locals (through the structs the compiler reloaded them after every store).
+template <int NB, bool ST, bool RD, bool R3>
+inline void pi_block(double* P, double* Pi, int64_t K, int64_t ld, int64_t e, const PiStep& st, const PiReads& rd,
+                     typename Vec<double>::type* s1acc) {
   using V = typename Vec<double>::type;
   constexpr int L = Vec<double>::L;
-  V px[NB], a2[NB], pd[NB], yv[NB], tg[NB], kv[NB], dz[NB], y2[NB];
+  const double *x = st.x, *fy = st.fy, *u1 = st.u1, *u2 = st.u2, *u3 = st.u3, *y2s = rd.y, *dm = rd.dm;
+  double* rowacc = rd.rowacc;
+  V px[NB], a2[NB], pd[NB], yv[NB], w1[NB], w2[NB], w3[NB], y2[NB];
   for (int v = 0; v < NB; ++v) {
-    px[v] = a2[v] = pd[v] = yv[v] = tg[v] = kv[v] = dz[v] = y2[v] = V{};
-    if (st) yv[v] = vload(st->y + e + v * L), tg[v] = vload(st->tgt + e + v * L), kv[v] = vload(st->k + e + v * L),
-    dz[v] = vload(st->dz + e + v * L);
-    if (rd) y2[v] = vload(rd->y + e + v * L);
+    px[v] = a2[v] = pd[v] = yv[v] = w1[v] = w2[v] = w3[v] = y2[v] = V{};
+    if constexpr (ST) {
+      yv[v] = vload(st.y + e + v * L), w1[v] = vload(st.w1 + e + v * L), w2[v] = vload(st.w2 + e + v * L);
+      if constexpr (R3) w3[v] = vload(st.w3 + e + v * L);
+    }
+    if constexpr (RD) y2[v] = vload(y2s + e + v * L);
   }
-  const V va = vsplat(st ? st->a : 0.0), via = vsplat(st ? st->ia : 0.0);
+  const V va = vsplat(ST ? st.a : 0.0), via = vsplat(ST ? st.ia : 0.0);
   for (int64_t i = 0; i < K; ++i) {
     double* pr = P + i * ld + e;
     double* qr = Pi + i * ld + e;
     V pn[NB], qn[NB];
-    if (st) {
-      const V xi = vsplat(st->x[i]), fyi = vsplat(st->fy[i]), dmi = vsplat(st->dma[i]), dyi = vsplat(st->dy[i]),
-              ki = vsplat(st->k[i]);
+    if constexpr (ST) {
+      const V xi = vsplat(x[i]), fyi = vsplat(fy[i]), c1 = vsplat(u1[i]), c2 = vsplat(u2[i]);
+      const V c3 = vsplat(R3 ? u3[i] : 0.0);
       for (int v = 0; v < NB; ++v) {
         const V p = vload(pr + v * L);
         px[v] += xi * p;
         pn[v] = va * p + fyi * yv[v];
         vstore(pr + v * L, pn[v]);
-        qn[v] = via * vload(qr + v * L) + dmi * tg[v] + dyi * kv[v] + ki * dz[v];
+        qn[v] = via * vload(qr + v * L) + c1 * w1[v] + c2 * w2[v];
+        if constexpr (R3) qn[v] += c3 * w3[v];
         vstore(qr + v * L, qn[v]);
       }
     } else {
       for (int v = 0; v < NB; ++v) pn[v] = vload(pr + v * L), qn[v] = vload(qr + v * L);
     }
-    if (rd) {
-      const V yi = vsplat(rd->y[i]), di = vsplat(rd->dm[i]);
+    if constexpr (RD) {
+      const V yi = vsplat(y2s[i]), di = vsplat(dm[i]);
       V ra = qn[0] * y2[0];
       for (int v = 0; v < NB; ++v) {
         a2[v] += yi * qn[v];
         pd[v] += di * pn[v];
-        s1acc += pn[v] * qn[v];
+        s1acc[v] += pn[v] * qn[v];
         if (v) ra += qn[v] * y2[v];
       }
-      double* acc = rd->rowacc + i * L;
-      vstore(acc, vload(acc) + ra);
+      vstore(rowacc + i * L, vload(rowacc + i * L) + ra);
     }
   }
   for (int v = 0; v < NB; ++v) {
-    if (st) vstore(st->px + e + v * L, px[v]);
-    if (rd) vstore(rd->A2 + e + v * L, a2[v]), vstore(rd->pdm + e + v * L, pd[v]);
+    if constexpr (ST) vstore(st.px + e + v * L, px[v]);
+    if constexpr (RD) vstore(rd.A2 + e + v * L, a2[v]), vstore(rd.pdm + e + v * L, pd[v]);
   }
 }
 
-/// One sweep over P and Pi (padded columns [0, ld)): the step of `st` and the reads of `rd`, either may be null.
-inline void pi_sweep(double* P, double* Pi, int64_t K, int64_t ld, const PiStep* st, const PiReads* rd) {
+template <bool ST, bool RD, bool R3>
+void pi_sweep_t(double* P, double* Pi, int64_t K, int64_t ld, const PiStep& st, const PiReads& rd) {
   using V = typename Vec<double>::type;
   constexpr int L = Vec<double>::L, NB = 2;
-  V s1acc{};
-  if (rd) std::memset(rd->rowacc, 0, size_t(K * L) * sizeof(double));
+  V s1acc[NB] = {};
+  if constexpr (RD) std::memset(rd.rowacc, 0, size_t(ld * L) * sizeof(double));
   int64_t e = 0;
-  for (; e + NB * L <= ld; e += NB * L) pi_block<NB>(P, Pi, K, ld, e, st, rd, s1acc);
-  for (; e < ld; e += L) pi_block<1>(P, Pi, K, ld, e, st, rd, s1acc);
-  if (rd) {
-    for (int64_t i = 0; i < K; ++i) rd->A1[i] = lane_sum<double>(vload(rd->rowacc + i * L));
-    *rd->s1 = lane_sum<double>(s1acc);
+  for (; e + NB * L <= ld; e += NB * L) pi_block<NB, ST, RD, R3>(P, Pi, K, ld, e, st, rd, s1acc);
+  for (; e < ld; e += L) pi_block<1, ST, RD, R3>(P, Pi, K, ld, e, st, rd, s1acc);
+  if constexpr (RD) {
+    for (int64_t i = 0; i < ld; i += L) {  // the row sums, L rows at a time (rows K.. ld are zero)
+      V rows[L];
+      for (int l = 0; l < L; ++l) rows[l] = vload(rd.rowacc + (i + l) * L);
+      vstore(rd.A1 + i, lane_sums<double>(rows));
+    }
+    for (int v = 1; v < NB; ++v) s1acc[0] += s1acc[v];
+    *rd.s1 = hsum<double>(s1acc[0]);
   }
+}
+
+/// One sweep over P and Pi (padded columns [0, ld)): the step of `st` and the reads of `rd`, either may be null;
+/// r3: Pi's update has rank three.
+[[gnu::noinline]] void pi_sweep(double* P, double* Pi, int64_t K, int64_t ld, const PiStep* st, const PiReads* rd,
+                                bool r3) {
+  static const PiStep st0{};
+  static const PiReads rd0{};
+  const PiStep& s = st ? *st : st0;
+  const PiReads& r = rd ? *rd : rd0;
+  if (st && rd)
+    r3 ? pi_sweep_t<true, true, true>(P, Pi, K, ld, s, r) : pi_sweep_t<true, true, false>(P, Pi, K, ld, s, r);
+  else if (st)
+    r3 ? pi_sweep_t<true, false, true>(P, Pi, K, ld, s, r) : pi_sweep_t<true, false, false>(P, Pi, K, ld, s, r);
+  else if (rd)
+    pi_sweep_t<false, true, false>(P, Pi, K, ld, s, r);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -233,31 +318,36 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
   const int64_t K = s.K, Vd = s.V, Kp = s.Kp, Vp = s.Vp, r = s.r, KV = K * Vp;
   const bool key_target = p.spec.precond == precond::Kind::exact_atk;
   const int64_t ld = ExactPre<T, double>::padded(K);
-  const int64_t C1 = p.chunk > 0 ? p.chunk : 64, C2 = kExactSub;
+  const int64_t C1 = p.chunk > 0 ? p.chunk : 64;
+  const int64_t C2 = imin(C1, std::max<int64_t>(kExactSub, kExactHoldBytes / (r * KV * int64_t(sizeof(T)))));
   const int64_t Tn = len > 0 ? len : 0, nck = (Tn + C1 - 1) / C1;
   auto grow_at = [&](const KView& x, int64_t t, int64_t hh) {
     return mptr<T>(x) + b * x.stride[0] + (t0 + t) * x.stride[1] + hh * x.stride[2];
   };
 
-  // Per token (whole sequence, double): y (and w) rows of ld; a, beta_p, kappa, den, f, y.q.
+  // Per token (whole sequence, double): y (and w) rows of ld; a, beta_p, kappa, den, f, y.q. Then the state
+  // checkpoints every C1 tokens, the sub-checkpoints of a chunk (every C2 tokens) and the held states of a
+  // sub-block. One block kept by the thread across tasks and calls (ScratchLease), uninitialised: every element is
+  // written before it is read (a fresh zeroed block per task spent a sixth of the backward in memset and page faults).
   const int64_t nyw = key_target ? 1 : 2;
-  // (Scratch, not std::vector: no standard-library inline code is instantiated in a per-ISA unit.)
-  Scratch<double> ywm((Tn > 0 ? Tn : 1) * (nyw * ld + 6));
-  double* yw = ywm.base;
-  double* scal = yw + (Tn > 0 ? Tn : 1) * nyw * ld;
+  const int64_t Tr = Tn > 0 ? Tn : 1, nsubmax = (C1 + C2 - 1) / C2;
+  auto dbl = [](int64_t nT) { return round_up(nT * int64_t(sizeof(T)), 64) / int64_t(sizeof(double)); };
+  const int64_t n_yw = round_up(Tr * (nyw * ld + 6), 8), n_ck = dbl(std::max<int64_t>(nck, 1) * r * KV);
+  const int64_t n_sub = dbl(nsubmax * r * KV + C2 * r * KV + r * KV + C2 * r * Vp);
+  const ScratchLease<double> big(n_yw + n_ck + n_sub);
+  double* yw = big.get();
+  double* scal = yw + Tr * nyw * ld;
   auto yrow = [&](int64_t t) { return yw + t * nyw * ld; };
   auto wrow = [&](int64_t t) { return yw + t * nyw * ld + ld; };
-  // State checkpoints every C1 tokens (and every C2 inside a chunk), the held states of a sub-block.
-  Scratch<T> ck(std::max<int64_t>(nck, 1) * r * KV);
-  Scratch<T> sub(((C1 + C2 - 1) / C2) * r * KV + C2 * r * KV + r * KV + C2 * r * Vp);
-  T* subck = sub.base;
-  T* Sheld = subck + ((C1 + C2 - 1) / C2) * r * KV;
-  T* S = Sheld + C2 * r * KV;  // the running states (r of them); then dS in the reverse sweep
-  T* Uheld = S + r * KV;
+  T* ckb = reinterpret_cast<T*>(yw + n_yw);
+  T* subck = reinterpret_cast<T*>(yw + n_yw + n_ck);
+  T* Sheld = subck + nsubmax * r * KV;  // the held states S_{t-1} of a sub-block but its first
+  T* S = Sheld + C2 * r * KV;           // the running states (r of them)
+  T* Uheld = S + r * KV;                // each held token's residual u (or v), r rows of Vp
   Scratch<T> dSm(r * KV);
   // Per token of a chunk: qn, kn, mapped (qr or kw); per value head fac, bet.
   const int64_t per_tok = 3 * Kp;
-  Scratch<T> tokm(C1 * per_tok + C1 * r * Kp + C1 * r + C1 * 2 + 8 * Kp + 3 * Vp);
+  Scratch<T> tokm(C1 * per_tok + C1 * r * Kp + C1 * r + C1 * 2 + 8 * Kp + 3 * Vp + 2 * r * Vp);
   T* tokv = tokm.base;
   T* facs = tokv + C1 * per_tok;
   T* bets = facs + C1 * r * Kp;
@@ -273,8 +363,9 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
   T* uv = dtmp2 + Kp;
   T* dov = uv + Vp;
   T* dvv = dov + Vp;
+  T* urot = dvv + Vp;  // two rows of r residuals (in-place runs)
   // Double: P, Pi, ExactPre's vectors, the key-side vectors, per-sub-block dm, dq, dk rows.
-  Scratch<double> pm(ExactPre<T, double>::elems(K) + K * ld + 16 * ld + K * Vec<double>::L + 3 * C2 * ld);
+  Scratch<double> pm(ExactPre<T, double>::elems(K) + K * ld + 16 * ld + ld * Vec<double>::L + 3 * C2 * ld);
   ExactPre<T, double> ex(pm.base, K, key_target);
   double* Pi = pm.base + ExactPre<T, double>::elems(K);
   double* dv_ = Pi + K * ld;
@@ -283,7 +374,7 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
          *dyv = dvec(7), *dzv = dvec(8), *kd = dvec(9), *tgd = dvec(10), *mapd = dvec(11), *nA1 = dvec(12),
          *nA2 = dvec(13), *npdm = dvec(14);
   double* rowacc = dv_ + 16 * ld;
-  double* dmS = rowacc + K * Vec<double>::L;  // C2 rows: dm of each token of the sub-block
+  double* dmS = rowacc + ld * Vec<double>::L;  // C2 rows: dm of each token of the sub-block
   double* dqS = dmS + C2 * ld;                 // C2 rows: dq (normalised) of each token
   double* dkS = dqS + C2 * ld;                 // C2 rows: dk (normalised) of each token
 
@@ -319,26 +410,52 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
       for (int64_t c = 0; c < K; ++c) out[c] = y[c] * inv;
     } else {
       const double* w = wrow(t);
-      for (int64_t c = 0; c < K; ++c) out[c] = (w[c] - sc[4] * y[c] * sc[5]) / sc[0];
+      const double ia = 1.0 / sc[0];  // as ExactPre::run rounds it
+      for (int64_t c = 0; c < K; ++c) out[c] = (w[c] - sc[4] * y[c] * sc[5]) * ia;
     }
     for (int64_t c = K; c < ld; ++c) out[c] = 0;
   };
-  // The state side of token t of the current chunk on every value head (the state S_{t-1} in S, advanced).
-  auto advance = [&](int64_t t, int64_t ta, T* keep, T* ukeep) {
-    const int64_t i = t - ta, ti = t0 + t;
-    const T* qn = tokv + i * per_tok;
-    const T* kn = qn + Kp;
-    const T* kw = key_target ? qn + 2 * Kp : kn;
-    for (int64_t j = 0; j < r; ++j) {
-      const T* fac = facs + (i * r + j) * Kp;
-      const T bt = bets[i * r + j];
-      for (int64_t c = 0; c < Kp; ++c) ckv[c] = fac[c] * kn[c], wv[c] = bt * kw[c];
-      T* u = ukeep ? ukeep + j * Vp : uv;
-      std::memcpy(u, s.vrow(b, ti, h * r + j), size_t(Vd) * sizeof(T));
-      for (int64_t e = Vd; e < Vp; ++e) u[e] = T(0);
-      state_step(S + j * KV, K, Vp, fac, ckv, wv, s.online, u, keep ? keep + j * KV : nullptr);
+  // The value row of token t, value head j, into u (rows of Vp, zero padding).
+  auto load_v = [&](int64_t t, int64_t j, T* u) {
+    std::memcpy(u, s.vrow(b, t0 + t, h * r + j), size_t(Vd) * sizeof(T));
+    for (int64_t e = Vd; e < Vp; ++e) u[e] = T(0);
+  };
+  // The state side of tokens ta + [m0, m1) of the loaded chunk (ta its first token), on every value head: token m
+  // reads the r states at in_of(m) and writes them to out_of(m) (the last token only when write_last); its residual
+  // u (or v) goes to u_of(m) (r rows of Vp), read by the previous token's write sweep (or a read sweep, the first).
+  auto run_states = [&](int64_t ta, int64_t m0, int64_t m1, auto&& in_of, auto&& out_of, auto&& u_of,
+                        bool write_last) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const bool next = m + 1 < m1;
+      const T* qn = tokv + m * per_tok;
+      const T* kn = qn + Kp;
+      const T* kw = key_target ? qn + 2 * Kp : kn;
+      const T* kn1 = kn + per_tok;
+      for (int64_t j = 0; j < r; ++j) {
+        const T* fac = facs + (m * r + j) * Kp;
+        T* u = u_of(m) + j * Vp;
+        if (m == m0) {
+          load_v(ta + m, j, u);
+          if (s.online) {
+            for (int64_t c = 0; c < Kp; ++c) ckv[c] = fac[c] * kn[c];
+            state_read(in_of(m) + j * KV, K, Vp, ckv, u);
+          }
+        }
+        if (!next && !write_last) continue;
+        const T bt = bets[m * r + j];
+        for (int64_t c = 0; c < Kp; ++c) wv[c] = bt * kw[c];
+        T* un = next ? u_of(m + 1) + j * Vp : nullptr;
+        if (next) {
+          load_v(ta + m + 1, j, un);
+          const T* fac1 = facs + ((m + 1) * r + j) * Kp;
+          for (int64_t c = 0; c < Kp; ++c) ckv[c] = fac1[c] * kn1[c];
+        }
+        state_write(in_of(m) + j * KV, out_of(m) + j * KV, K, Vp, fac, wv, u, next && s.online ? ckv : nullptr, un);
+      }
     }
   };
+  auto in_place = [&](int64_t) { return S; };
+  auto u_rot = [&](int64_t m) { return urot + (m & 1) * r * Vp; };
   // The T rows of the mapped vectors of a loaded chunk.
   auto map_chunk = [&](int64_t ta, int64_t tb) {
     for (int64_t t = ta; t < tb; ++t) {
@@ -368,12 +485,12 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
   T* gb = ga + C1;
   for (int64_t ci = 0; ci < nck; ++ci) {
     const int64_t ta = ci * C1, tb = imin(Tn, ta + C1), nt = tb - ta;
-    std::memcpy(ck.base + ci * r * KV, S, size_t(r * KV) * sizeof(T));
+    std::memcpy(ckb + ci * r * KV, S, size_t(r * KV) * sizeof(T));
     load_chunk(ta, tb);
     for (int64_t t = ta; t < tb; ++t) ga[t - ta] = std::exp(s.gp(b, t0 + t, h)), gb[t - ta] = s.bp(b, t0 + t, h);
     ex.run(nt, tokv, tokv + Kp, per_tok, tokv + 2 * Kp, tokv + 2 * Kp, ga, gb, yrow(ta),
            key_target ? nullptr : wrow(ta), nyw * ld, scal + ta * 6);
-    for (int64_t t = ta; t < tb; ++t) advance(t, ta, nullptr, nullptr);
+    run_states(ta, 0, nt, in_place, in_place, u_rot, true);
   }
 
   // 2-3. Reverse: dS from dhT, Pi from daT.
@@ -385,22 +502,29 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
                                                                     i * p.daT.stride[2] + jj])
                                              : 0.0;
   double* P = ex.P;
+  const bool need_dg = p.dg.data && s.decay != decay::Kind::none;
   bool have_reads = false;  // A1, A2, s1, pdm of the next token (in reverse) are computed
   double s1 = 0;
   for (int64_t ci = nck - 1; ci >= 0; --ci) {
     const int64_t ta = ci * C1, tb = imin(Tn, ta + C1);
     load_chunk(ta, tb);
     map_chunk(ta, tb);
-    std::memcpy(S, ck.base + ci * r * KV, size_t(r * KV) * sizeof(T));
-    for (int64_t t = ta; t < tb; ++t) {
-      if ((t - ta) % C2 == 0) std::memcpy(subck + ((t - ta) / C2) * r * KV, S, size_t(r * KV) * sizeof(T));
-      advance(t, ta, nullptr, nullptr);
-    }
     const int64_t nsub = (tb - ta + C2 - 1) / C2;
+    if (nsub > 1) {  // sub-checkpoints: the chunk recomputed in place
+      std::memcpy(S, ckb + ci * r * KV, size_t(r * KV) * sizeof(T));
+      for (int64_t sb = 0; sb + 1 < nsub; ++sb) {
+        run_states(ta, sb * C2, (sb + 1) * C2, in_place, in_place, u_rot, true);
+        std::memcpy(subck + (sb + 1) * r * KV, S, size_t(r * KV) * sizeof(T));
+      }
+    }
     for (int64_t sb = nsub - 1; sb >= 0; --sb) {
-      const int64_t sa = ta + sb * C2, se = imin(tb, sa + C2);
-      std::memcpy(S, subck + sb * r * KV, size_t(r * KV) * sizeof(T));
-      for (int64_t t = sa; t < se; ++t) advance(t, ta, Sheld + (t - sa) * r * KV, Uheld + (t - sa) * r * Vp);
+      const int64_t sa = ta + sb * C2, se = imin(tb, sa + C2), m0 = sa - ta;
+      T* src = sb > 0 ? subck + sb * r * KV : ckb + ci * r * KV;
+      // The states S_{t-1} of the sub-block's tokens: its first from the checkpoint, the others recomputed.
+      auto held = [&](int64_t m) { return m == m0 ? src : Sheld + (m - m0 - 1) * r * KV; };
+      auto held_out = [&](int64_t m) { return Sheld + (m - m0) * r * KV; };
+      auto u_held = [&](int64_t m) { return Uheld + (m - m0) * r * Vp; };
+      run_states(ta, m0, se - ta, held, held_out, u_held, false);
       // The state side, tokens in reverse: dm (dL/d mapped), the direct dq / dk terms.
       for (int64_t t = se - 1; t >= sa; --t) {
         const int64_t i = t - ta, ti = t0 + t;
@@ -416,9 +540,9 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
           for (int64_t e = Vd; e < Vp; ++e) dov[e] = T(0);
           const T* fac = facs + (i * r + j) * Kp;
           const T bt = bets[i * r + j];
-          const T db = state_backward(dS + j * KV, Sheld + (t - sa) * r * KV + j * KV, K, Vp,
-                                      Uheld + (t - sa) * r * Vp + j * Vp, dov, fac, kn, qr, kw, bt, s.online,
-                                      StateGrads<T>{dqr, dkw, dkn}, dvv, dgc);
+          const T db = state_backward(dS + j * KV, held(i) + j * KV, K, Vp, u_held(i) + j * Vp, dov, fac, kn, qr,
+                                      kw, bt, s.online, s.decay != decay::Kind::none, StateGrads<T>{dqr, dkw, dkn}, dvv,
+                                      need_dg ? dgc : nullptr);
           if (p.dv.data) std::memcpy(grow_at(p.dv, t, hvj), dvv, size_t(Vd) * sizeof(T));
           if (s.gain && p.dbeta.data) *grow_at(p.dbeta, t, hvj) = db;
           if (p.dg.data && s.decay == decay::Kind::diagonal) {
@@ -455,7 +579,7 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
         mapped(t, mapd);
         if (!have_reads) {  // the last token, or the last of a sub-block: a reads-only sweep on P_t, Pi_t
           PiReads rd{y, dm, A1, A2, pdm, &s1, rowacc};
-          pi_sweep(P, Pi, K, ld, nullptr, &rd);
+          pi_sweep(P, Pi, K, ld, nullptr, &rd, false);
         }
         double ty = 0, dmy = 0, dmm = 0;
         for (int64_t c = 0; c < K; ++c) ty += tgd[c] * y[c], dmy += dm[c] * y[c], dmm += dm[c] * mapd[c];
@@ -472,7 +596,7 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
           dzv[c] = -f * A2[c];
           xv[c] = dyv[c] + dzv[c];
           fy[c] = f * y[c];
-          dma[c] = dm[c] * ia;
+          dma[c] = dm[c] * ia + (key_target ? dyv[c] : 0.0);  // ExactATK: tgt = k, (dm / a + dy) k^T
         }
         // d(mapped vector's target) += P_t^T dm.
         double* dtg = key_target ? dkS + (t - sa) * ld : dqS + (t - sa) * ld;
@@ -480,11 +604,12 @@ void exact_backward_task_t(const KernelParams& p, int64_t task) {
         const bool next = t > 0;
         const double* y2 = next ? yrow(t - 1) : nullptr;
         const double* dm2 = next ? (t - 1 >= sa ? dmS + (t - 1 - sa) * ld : nullptr) : nullptr;
-        PiStep st{xv, px, a, ia, fy, y, dma, tgd, dyv, kd, dzv};
+        const PiStep st = key_target ? PiStep{xv, fy, y, dma, kd, kd, dzv, nullptr, nullptr, px, a, ia}
+                                     : PiStep{xv, fy, y, dma, tgd, dyv, kd, kd, dzv, px, a, ia};
         // The reads of token t - 1 need its dm: in this sub-block, or (first token of the sub-block) the next
         // sub-block's state side has not run yet, so they are done by a reads-only sweep there.
         PiReads rd{y2, dm2, nA1, nA2, npdm, &s1, rowacc};
-        pi_sweep(P, Pi, K, ld, &st, dm2 ? &rd : nullptr);
+        pi_sweep(P, Pi, K, ld, &st, dm2 ? &rd : nullptr, !key_target);
         have_reads = dm2 != nullptr;
         if (have_reads) std::swap(A1, nA1), std::swap(A2, nA2), std::swap(pdm, npdm);
         // dk += dden b y + P_{t-1} x, P_{t-1} x = a P_t x + f y (y . x).

@@ -277,6 +277,58 @@ inline T hsum(const typename Vec<T>::type& x) {
   return s;
 }
 
+/// Lane l of the result: the sum of the lanes of rows[l] (L vectors; a transposing reduction, about two
+/// operations per vector where L hsum calls take L each). The lanes are added in another order than hsum's.
+template <class T>
+inline typename Vec<T>::type lane_sums(const typename Vec<T>::type* rows) {
+#if defined(DGPS_CPU_SIMD_XSIMD) && defined(DGPS_CPU_REG_AVX512)
+  // xsimd::haddp's AVX-512 forms (and the unmasked shuffles) trip GCC 12's -Wmaybe-uninitialized: rounds of
+  // pairwise folds on the maskz shuffles instead, each halving the lanes per row and doubling the rows per vector,
+  // the rows taken in the order (q, an involution) that leaves row l's sum in lane l.
+  if constexpr (sizeof(T) == 4) {
+    constexpr int q[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    constexpr __mmask16 m = 0xffff;
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i) {
+      const __m512 r0 = rows[q[i]], r1 = rows[q[i + 8]];
+      a[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(m, r0, r1, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_maskz_shuffle_f32x4(m, r0, r1, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; ++i)
+      b[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(m, a[i], a[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_maskz_shuffle_f32x4(m, a[i], a[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; ++i)
+      c[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(m, b[i], b[i + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_maskz_shuffle_ps(m, b[i], b[i + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_maskz_shuffle_ps(m, c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_maskz_shuffle_ps(m, c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  } else {
+    constexpr int q[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+    constexpr __mmask8 m = 0xff;
+    __m512d a[4], b[2];
+    for (int i = 0; i < 4; ++i) {
+      const __m512d r0 = rows[q[i]], r1 = rows[q[i + 4]];
+      a[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(m, r0, r1, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_maskz_shuffle_f64x2(m, r0, r1, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 2; ++i)
+      b[i] = _mm512_add_pd(_mm512_maskz_shuffle_f64x2(m, a[i], a[i + 2], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_maskz_shuffle_f64x2(m, a[i], a[i + 2], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_pd(_mm512_maskz_shuffle_pd(m, b[0], b[1], 0x00), _mm512_maskz_shuffle_pd(m, b[0], b[1], 0xff));
+  }
+#elif defined(DGPS_CPU_SIMD_XSIMD)
+  return xsimd::haddp(rows);
+#else
+  typename Vec<T>::type r;
+  for (int l = 0; l < Vec<T>::L; ++l) {
+    T s = 0;
+    for (int i = 0; i < Vec<T>::L; ++i) s += rows[l].v[i];
+    r.v[l] = s;
+  }
+  return r;
+#endif
+}
+
 /// Lanes 0, 1, ..., L - 1 (column offsets for the triangular masks of the intra-chunk matrices).
 template <class T>
 inline typename Vec<T>::type iota_v() {

@@ -165,6 +165,9 @@ TEST_CASE("cpu exact backward: every combination, GVA, varlen, h0/a0, dhT/daT, o
       {1, 90, 1, 1, 128, 128, 64, {0, 5, 5, 90}, true, false},
       {2, 9, 2, 2, 20, 12, 64, {}, false, true},
       {1, 37, 1, 2, 16, 8, 7, {0, 37}, false, false},
+      // four value heads of 128 x 128: a chunk's 64 states exceed kExactHoldBytes (8 MB), so the chunk is
+      // recomputed with sub-checkpoints (float: sub-blocks of 32 tokens, double: 16).
+      {1, 70, 1, 4, 128, 128, 64, {}, true, true},
   };
   Gen slow;
   slow.gp_lo = -0.05, slow.gp_hi = 0.0;
