@@ -1,4 +1,5 @@
 /// @brief dgps::cuda public entry points: availability, workspace, validation and kernel dispatch.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -200,17 +201,25 @@ const char* launch(const kernels::RecArgs& a, const Plan& plan, DType dtype, cud
 
 Workspace::~Workspace() {
   if (ptr_) cudaFree(ptr_);
+  for (void* p : retired_) cudaFree(p);
 }
 
 void* Workspace::get(size_t bytes) {
   if (bytes <= bytes_) return ptr_;
-  if (ptr_) throw_on(cudaFree(ptr_), "workspace free");
-  ptr_ = nullptr;
-  bytes_ = 0;
-  saved_ = 0;
-  const size_t rounded = (bytes + 255) / 256 * 256;
-  throw_on(cudaMalloc(&ptr_, rounded), "workspace allocation");
+  const size_t want = std::max(bytes, bytes_ + bytes_ / 2);
+  const size_t rounded = (want + 255) / 256 * 256;
+  // Relaxed capture mode for this thread: cudaMalloc is then allowed while a stream captures a graph (it is not
+  // part of the graph; the memory is ours either way).
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  throw_on(cudaThreadExchangeStreamCaptureMode(&mode), "workspace allocation (capture mode)");
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, rounded);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  throw_on(e, "workspace allocation");
+  if (ptr_) retired_.push_back(ptr_);  // a captured graph may still read it: freed with the workspace
+  ptr_ = p;
   bytes_ = rounded;
+  saved_ = 0;
   return ptr_;
 }
 

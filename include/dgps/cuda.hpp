@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "dgps/detail/problem.hpp"
 #include "dgps/error.hpp"
@@ -75,18 +77,26 @@ struct Params {
 /// Device scratch memory owned by the caller and reused across calls: it grows when a call needs
 /// more and never shrinks, so repeated calls of one size do not allocate. Not thread-safe: use one
 /// per stream.
+///
+/// CUDA graphs: a call may be captured (any capture mode), also the first call on a fresh workspace
+/// and one that grows it: the allocation runs outside the capture (relaxed capture mode), and a
+/// buffer outgrown is kept, not freed, until the workspace is destroyed, since a graph captured
+/// earlier still reads it on replay. Growth is geometric (at least 1.5x), so the buffers kept add
+/// up to at most twice the current one. Destroy a workspace only after the graphs that used it.
 class Workspace {
  public:
   Workspace() = default;
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
-  /// Moves the buffer; the source becomes empty.
-  Workspace(Workspace&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_), saved_(o.saved_) {
+  /// Moves the buffers; the source becomes empty.
+  Workspace(Workspace&& o) noexcept
+      : ptr_(o.ptr_), bytes_(o.bytes_), saved_(o.saved_), retired_(std::move(o.retired_)) {
     o.ptr_ = nullptr, o.bytes_ = 0, o.saved_ = 0;
+    o.retired_.clear();
   }
-  /// At least `bytes` of device memory, 256-byte aligned; valid until the next call with more bytes
-  /// (growing drops the saved forward, see saved_forward()).
+  /// At least `bytes` of device memory, 256-byte aligned; valid while the workspace lives (growing
+  /// moves later calls to a new buffer and drops the saved forward, see saved_forward()).
   void* get(size_t bytes);
   /// Bytes currently held.
   size_t bytes() const { return bytes_; }
@@ -100,6 +110,7 @@ class Workspace {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   uint64_t saved_ = 0;
+  std::vector<void*> retired_;  ///< outgrown buffers, freed with the workspace (captured graphs may read them)
 };
 
 /// True when the CUDA runtime finds a usable GPU (false on a machine without a GPU or driver).

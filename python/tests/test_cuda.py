@@ -76,3 +76,35 @@ def test_cuda_current_stream_and_graph():
     torch.cuda.synchronize()
     want2, _ = dt.chunk_gated_delta_rule(*args)
     torch.testing.assert_close(out, want2, rtol=0, atol=0)
+
+
+def test_cuda_graph_on_torch_capture_stream():
+    """PyTorch's usual recipe: warm-up on a side stream, then torch.cuda.graph on its own capture stream, where the
+    call finds no workspace yet (it is allocated outside the capture); forward and forward + backward replay."""
+    d = _to(_inputs_for("gdn", dict(B=2, T=192, H=2, HV=4, K=64, V=64)), "cuda", torch.bfloat16)
+    x = [d[k_] for k_ in ("q", "k", "v", "g", "beta")]
+
+    def step():
+        o, _ = dt.chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True)
+        o.float().square().sum().backward()
+        return o
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in x:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [out.clone()] + [t.grad.clone() for t in x]
+    for t in x:
+        t.grad = None
+    want = [step()] + [t.grad for t in x]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

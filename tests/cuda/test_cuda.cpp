@@ -643,6 +643,22 @@ void chunk_graph_case(const char* model, uint64_t seed, dgps::cuda::Workspace& w
     graph.replay();
     check_run("graph replay " + std::to_string(r + 1), impl);
   }
+  // A fresh workspace first used inside a capture (global mode; what torch.cuda.graph does on its own capture
+  // stream): it allocates outside the capture. Then a larger call grows it eagerly, and the first graph, which
+  // holds the outgrown buffer, still replays correctly.
+  {
+    dgps::cuda::Workspace fresh;
+    CapturedGraph first_use([&](cudaStream_t s) { dgps::cuda::forward(p, fresh, s); });
+    report_check(fresh.bytes() > 0, name + ": a workspace first used inside a capture allocated its buffer");
+    poison(o.p, o.bytes);
+    first_use.replay();
+    check_run("graph replay on a workspace allocated during capture", impl);
+    const size_t before = fresh.bytes();
+    fresh.get(before * 4);  // outgrow the captured buffer
+    poison(o.p, o.bytes);
+    first_use.replay();
+    check_run("graph replay after its workspace grew", impl);
+  }
 }
 
 /// dgps::forward / dgps::decode with float32 device pointers pick the CUDA backend automatically.
