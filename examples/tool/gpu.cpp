@@ -98,6 +98,7 @@ dgps::cuda::Params params_of(const dgps::ModelSpec& spec, const dgps::Shape& s, 
   c.x = static_cast<float>(opt.x);
   c.eps = static_cast<float>(opt.eps);
   c.l2norm = opt.l2norm_qk;
+  c.lambda = static_cast<float>(opt.lambda);
   c.algorithm = opt.algorithm;
   return c;
 }
