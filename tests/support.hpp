@@ -455,4 +455,79 @@ inline dgps::Options on(dgps::Backend b, int threads = 1) {
   return o;
 }
 
+/// An exact model with a scalar gain.
+template <class D, class P, class S>
+using ExactWithGain = dgps::Recurrence<D, dgps::gain::Scalar, P, S>;
+
+/// Calls f.template operator()<R>() for the 14 exact models (compile-time: no run-time registry): the Mesa layer,
+/// the ridge readout, and with a scalar gain every decay x target x solve.
+template <class F>
+void for_each_exact(F&& f) {
+  f.template operator()<dgps::MesaLayer>();
+  f.template operator()<dgps::RidgeReadout>();
+  auto solves = [&]<class D, class P>() {
+    f.template operator()<ExactWithGain<D, P, dgps::solve::Online>>();
+    f.template operator()<ExactWithGain<D, P, dgps::solve::Offline>>();
+  };
+  auto targets = [&]<class D>() {
+    solves.template operator()<D, dgps::precond::ExactATK>();
+    solves.template operator()<D, dgps::precond::ExactATQ>();
+  };
+  targets.template operator()<dgps::decay::None>();
+  targets.template operator()<dgps::decay::Scalar>();
+  targets.template operator()<dgps::decay::Diagonal>();
+}
+
+/// Solves G y = b (dense, K x K, row-major) by Gaussian elimination with partial pivoting.
+inline std::vector<double> solve(std::vector<double> G, std::vector<double> b) {
+  const size_t K = b.size();
+  for (size_t c = 0; c < K; ++c) {
+    size_t piv = c;
+    for (size_t r = c + 1; r < K; ++r)
+      if (std::fabs(G[r * K + c]) > std::fabs(G[piv * K + c])) piv = r;
+    for (size_t j = 0; j < K; ++j) std::swap(G[c * K + j], G[piv * K + j]);
+    std::swap(b[c], b[piv]);
+    for (size_t r = c + 1; r < K; ++r) {
+      const double f = G[r * K + c] / G[c * K + c];
+      for (size_t j = c; j < K; ++j) G[r * K + j] -= f * G[c * K + j];
+      b[r] -= f * b[c];
+    }
+  }
+  std::vector<double> y(K);
+  for (size_t c = K; c-- > 0;) {
+    double s = b[c];
+    for (size_t j = c + 1; j < K; ++j) s -= G[c * K + j] * y[j];
+    y[c] = s / G[c * K + c];
+  }
+  return y;
+}
+
+/// The explicit ridge readout of SPEC §3.1: o_t = C_t (lambda I + sum k k^T)^{-1} q_t, per (b, h).
+inline std::vector<double> ridge_direct(const Case& c, double lambda) {
+  const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, K = c.shape.key_dim, V = c.shape.value_dim;
+  const auto &q = c.arr.at("q"), &k = c.arr.at("k"), &v = c.arr.at("v");
+  std::vector<double> o(static_cast<size_t>(B * T * H * V));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> G(static_cast<size_t>(K * K), 0.0), C(static_cast<size_t>(V * K), 0.0);
+      for (int64_t i = 0; i < K; ++i) G[i * K + i] = lambda;
+      for (int64_t t = 0; t < T; ++t) {
+        const double* kt = &k[((b * T + t) * H + h) * K];
+        const double* vt = &v[((b * T + t) * H + h) * V];
+        const double* qt = &q[((b * T + t) * H + h) * K];
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < K; ++j) G[i * K + j] += kt[i] * kt[j];
+        for (int64_t e = 0; e < V; ++e)
+          for (int64_t j = 0; j < K; ++j) C[e * K + j] += vt[e] * kt[j];
+        const auto y = solve(G, std::vector<double>(qt, qt + K));
+        for (int64_t e = 0; e < V; ++e) {
+          double s = 0;
+          for (int64_t j = 0; j < K; ++j) s += C[e * K + j] * y[j];
+          o[((b * T + t) * H + h) * V + e] = s;
+        }
+      }
+    }
+  return o;
+}
+
 }  // namespace dgps_test

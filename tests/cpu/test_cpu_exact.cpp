@@ -15,28 +15,6 @@ using namespace dgps_test;
 
 namespace {
 
-// Compile-time models (this file stays out of the run-time registry): the Mesa layer and the ridge readout,
-// and with a scalar gain every decay x target x solve.
-template <class D, class P, class S>
-using WithGain = dgps::Recurrence<D, dgps::gain::Scalar, P, S>;
-
-/// Calls f.template operator()<R>() for every exact model above (14).
-template <class F>
-void for_each_exact(F&& f) {
-  f.template operator()<dgps::MesaLayer>();
-  f.template operator()<dgps::RidgeReadout>();
-  auto solves = [&]<class D, class P>() {
-    f.template operator()<WithGain<D, P, dgps::solve::Online>>();
-    f.template operator()<WithGain<D, P, dgps::solve::Offline>>();
-  };
-  auto targets = [&]<class D>() {
-    solves.template operator()<D, dgps::precond::ExactATK>();
-    solves.template operator()<D, dgps::precond::ExactATQ>();
-  };
-  targets.template operator()<dgps::decay::None>();
-  targets.template operator()<dgps::decay::Scalar>();
-  targets.template operator()<dgps::decay::Diagonal>();
-}
 
 template <class R>
 Arrays gold(const Case& c) {

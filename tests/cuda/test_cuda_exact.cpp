@@ -20,27 +20,7 @@
 namespace dgps_gpu_test {
 namespace {
 
-template <class D, class P, class S>
-using WithGain = dgps::Recurrence<D, dgps::gain::Scalar, P, S>;
-
-/// Calls f.template operator()<R>() for the 14 exact models: the Mesa layer, the ridge readout, and with a scalar
-/// gain every decay x target x solve.
-template <class F>
-void for_each_exact(F&& f) {
-  f.template operator()<dgps::MesaLayer>();
-  f.template operator()<dgps::RidgeReadout>();
-  auto solves = [&]<class D, class P>() {
-    f.template operator()<WithGain<D, P, dgps::solve::Online>>();
-    f.template operator()<WithGain<D, P, dgps::solve::Offline>>();
-  };
-  auto targets = [&]<class D>() {
-    solves.template operator()<D, dgps::precond::ExactATK>();
-    solves.template operator()<D, dgps::precond::ExactATQ>();
-  };
-  targets.template operator()<dgps::decay::None>();
-  targets.template operator()<dgps::decay::Scalar>();
-  targets.template operator()<dgps::decay::Diagonal>();
-}
+using dgps_test::for_each_exact;
 
 /// Worst error seen per input type and kind (printed at the end).
 std::map<std::string, double> g_worst;
@@ -236,61 +216,6 @@ void decode_case(int64_t Tn, int64_t K, int64_t V, DType d, uint64_t seed, dgps:
   track(key, std::max(eo, std::max(eh, ea)));
 }
 
-/// Solves G y = b (dense, Gaussian elimination with partial pivoting).
-std::vector<double> solve(std::vector<double> G, std::vector<double> b) {
-  const size_t K = b.size();
-  for (size_t c = 0; c < K; ++c) {
-    size_t piv = c;
-    for (size_t r = c + 1; r < K; ++r)
-      if (std::fabs(G[r * K + c]) > std::fabs(G[piv * K + c])) piv = r;
-    for (size_t j = 0; j < K; ++j) std::swap(G[c * K + j], G[piv * K + j]);
-    std::swap(b[c], b[piv]);
-    for (size_t r = c + 1; r < K; ++r) {
-      const double f = G[r * K + c] / G[c * K + c];
-      for (size_t j = c; j < K; ++j) G[r * K + j] -= f * G[c * K + j];
-      b[r] -= f * b[c];
-    }
-  }
-  std::vector<double> y(K);
-  for (size_t c = K; c-- > 0;) {
-    double s = b[c];
-    for (size_t j = c + 1; j < K; ++j) s -= G[c * K + j] * y[j];
-    y[c] = s / G[c * K + c];
-  }
-  return y;
-}
-
-/// SPEC §3.1's ridge readout o_t = C_t (lambda I + sum k k^T)^{-1} q_t per (b, h) (H = HV), on the float inputs.
-std::vector<double> ridge_direct(const Case& c, double lambda) {
-  const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, K = c.shape.key_dim, V = c.shape.value_dim;
-  auto f = [](double x) { return double(float(x)); };
-  const auto &q = c.arr.at("q"), &k = c.arr.at("k"), &v = c.arr.at("v");
-  std::vector<double> o(size_t(B * T * H * V));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      std::vector<double> G(size_t(K * K), 0.0), C(size_t(V * K), 0.0);
-      for (int64_t i = 0; i < K; ++i) G[i * K + i] = lambda;
-      for (int64_t t = 0; t < T; ++t) {
-        const double* kt = &k[((b * T + t) * H + h) * K];
-        const double* vt = &v[((b * T + t) * H + h) * V];
-        const double* qt = &q[((b * T + t) * H + h) * K];
-        for (int64_t i = 0; i < K; ++i)
-          for (int64_t j = 0; j < K; ++j) G[i * K + j] += f(kt[i]) * f(kt[j]);
-        for (int64_t e = 0; e < V; ++e)
-          for (int64_t j = 0; j < K; ++j) C[e * K + j] += f(vt[e]) * f(kt[j]);
-        std::vector<double> qq(static_cast<size_t>(K));
-        for (int64_t j = 0; j < K; ++j) qq[j] = f(qt[j]);
-        const auto y = solve(G, qq);
-        for (int64_t e = 0; e < V; ++e) {
-          double s = 0;
-          for (int64_t j = 0; j < K; ++j) s += C[e * K + j] * y[j];
-          o[((b * T + t) * H + h) * V + e] = s;
-        }
-      }
-    }
-  return o;
-}
-
 /// Theorem 3.1 on the GPU: Online + ExactATK (Mesa) and Offline + ExactATQ (ridge readout) with unit gates, no L2
 /// norm, scale 1, lambda = 0.7 both equal the direct ridge solve (float32: 1e-4), and give the same P_T.
 void theorem_3_1(dgps::cuda::Workspace& ws) {
@@ -307,7 +232,7 @@ void theorem_3_1(dgps::cuda::Workspace& ws) {
   c.opt.lambda = 0.7;
   Case cr = c;
   cr.spec = dgps::spec_of<dgps::RidgeReadout>();
-  const auto direct = ridge_direct(c, 0.7);
+  const auto direct = dgps_test::ridge_direct(rounded(c, DType::f32, DType::f32), 0.7);  // on the float inputs
   std::string i1, i2;
   const Arrays mesa = gpu_forward_exact(c, DType::f32, DType::f32, ws, &i1);
   const Arrays ridge = gpu_forward_exact(cr, DType::f32, DType::f32, ws, &i2);
@@ -495,7 +420,7 @@ void conformance(dgps::cuda::Workspace& ws) {
 void determinism(dgps::cuda::Workspace& ws) {
   dgps_test::Gen gen;
   gen.gp_lo = -0.05, gen.gp_hi = 0.0;
-  Case c = dgps_test::random_case(dgps::spec_of<WithGain<dgps::decay::Diagonal, dgps::precond::ExactATQ,
+  Case c = dgps_test::random_case(dgps::spec_of<dgps_test::ExactWithGain<dgps::decay::Diagonal, dgps::precond::ExactATQ,
                                                          dgps::solve::Online>>(),
                                   {.batch = 1, .time = 90, .heads = 2, .v_heads = 4, .key_dim = 64, .value_dim = 80},
                                   {}, 4040, gen);
@@ -575,14 +500,14 @@ void exact_tests(dgps::cuda::Workspace& ws, bool quick) {
   }
   decode_case<dgps::MesaLayer>(1, 16, 24, DType::f32, seed++, ws);
   decode_case<dgps::RidgeReadout>(3, 16, 24, DType::f32, seed++, ws);
-  decode_case<WithGain<dgps::decay::Diagonal, dgps::precond::ExactATK, dgps::solve::Online>>(2, 128, 64, DType::f32,
+  decode_case<dgps_test::ExactWithGain<dgps::decay::Diagonal, dgps::precond::ExactATK, dgps::solve::Online>>(2, 128, 64, DType::f32,
                                                                                              seed++, ws);
-  decode_case<WithGain<dgps::decay::Scalar, dgps::precond::ExactATQ, dgps::solve::Offline>>(1, 64, 32, DType::bf16,
+  decode_case<dgps_test::ExactWithGain<dgps::decay::Scalar, dgps::precond::ExactATQ, dgps::solve::Offline>>(1, 64, 32, DType::bf16,
                                                                                             seed++, ws);
   theorem_3_1(ws);
   refusals(ws);
   unified_case<dgps::MesaLayer>("mesa", seed++);
-  unified_case<WithGain<dgps::decay::Scalar, dgps::precond::ExactATQ, dgps::solve::Online>>("scalar_atq_online",
+  unified_case<dgps_test::ExactWithGain<dgps::decay::Scalar, dgps::precond::ExactATQ, dgps::solve::Online>>("scalar_atq_online",
                                                                                             seed++);
   determinism(ws);
   if (!quick) timings(ws);

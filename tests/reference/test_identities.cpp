@@ -11,58 +11,6 @@ using namespace dgps_test;
 
 namespace {
 
-/// Solves G y = b (dense, K x K, row-major) by Gaussian elimination with partial pivoting.
-std::vector<double> solve(std::vector<double> G, std::vector<double> b) {
-  const size_t K = b.size();
-  for (size_t c = 0; c < K; ++c) {
-    size_t piv = c;
-    for (size_t r = c + 1; r < K; ++r)
-      if (std::fabs(G[r * K + c]) > std::fabs(G[piv * K + c])) piv = r;
-    for (size_t j = 0; j < K; ++j) std::swap(G[c * K + j], G[piv * K + j]);
-    std::swap(b[c], b[piv]);
-    for (size_t r = c + 1; r < K; ++r) {
-      const double f = G[r * K + c] / G[c * K + c];
-      for (size_t j = c; j < K; ++j) G[r * K + j] -= f * G[c * K + j];
-      b[r] -= f * b[c];
-    }
-  }
-  std::vector<double> y(K);
-  for (size_t c = K; c-- > 0;) {
-    double s = b[c];
-    for (size_t j = c + 1; j < K; ++j) s -= G[c * K + j] * y[j];
-    y[c] = s / G[c * K + c];
-  }
-  return y;
-}
-
-/// The explicit ridge readout of SPEC §3.1: o_t = C_t (lambda I + sum k k^T)^{-1} q_t, per (b, h).
-std::vector<double> ridge_direct(const Case& c, double lambda) {
-  const int64_t B = c.shape.batch, T = c.shape.time, H = c.shape.heads, K = c.shape.key_dim, V = c.shape.value_dim;
-  const auto &q = c.arr.at("q"), &k = c.arr.at("k"), &v = c.arr.at("v");
-  std::vector<double> o(static_cast<size_t>(B * T * H * V));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      std::vector<double> G(static_cast<size_t>(K * K), 0.0), C(static_cast<size_t>(V * K), 0.0);
-      for (int64_t i = 0; i < K; ++i) G[i * K + i] = lambda;
-      for (int64_t t = 0; t < T; ++t) {
-        const double* kt = &k[((b * T + t) * H + h) * K];
-        const double* vt = &v[((b * T + t) * H + h) * V];
-        const double* qt = &q[((b * T + t) * H + h) * K];
-        for (int64_t i = 0; i < K; ++i)
-          for (int64_t j = 0; j < K; ++j) G[i * K + j] += kt[i] * kt[j];
-        for (int64_t e = 0; e < V; ++e)
-          for (int64_t j = 0; j < K; ++j) C[e * K + j] += vt[e] * kt[j];
-        const auto y = solve(G, std::vector<double>(qt, qt + K));
-        for (int64_t e = 0; e < V; ++e) {
-          double s = 0;
-          for (int64_t j = 0; j < K; ++j) s += C[e * K + j] * y[j];
-          o[((b * T + t) * H + h) * V + e] = s;
-        }
-      }
-    }
-  return o;
-}
-
 /// Removes the inputs that model `spec` does not take (to reuse one case for two models).
 Case restrict_to(Case c, const dgps::ModelSpec& spec) {
   c.spec = spec;
