@@ -9,7 +9,7 @@ py=/usr/bin/python3  # Debian's python3-torch lives in /usr/lib/python3/dist-pac
 start=$(date +%s)
 
 need=()
-for p in python3-torch libtorch-dev python3-pytest python3-numpy python3-pip python3-setuptools python3-wheel cmake ninja-build; do
+for p in python3-torch libtorch-dev python3-pytest python3-numpy python3-pip python3-setuptools python3-wheel libopenblas0-pthread cmake ninja-build; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if ((${#need[@]})); then

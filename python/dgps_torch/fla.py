@@ -13,14 +13,29 @@ from .serve import pool_recurrence, vllm_indices
 RCP = "dgps_torch"
 
 
+# FLA keyword arguments that change what a call reads or writes: never ignored where a function lacks them.
+_STATEFUL = {"ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out", "g_cumsum", "cp_context",
+             "initial_state_indices", "output_state_indices", "intermediate_states_buffer", "reverse",
+             "return_intermediate_states", "use_gate_in_kernel", "A_log", "dt_bias"}
+
+
 def _reject(fn, kwargs, accepted=()):
-    """Raises for `head_first` and any keyword argument that is not in `accepted` (FLA's kwargs-only options)."""
+    """Raises for `head_first=True`; warns about (and ignores) any other keyword argument not in `accepted`.
+
+    FLA's op functions take `**kwargs` and ignore the names they do not use, and callers rely on it
+    (transformers' Qwen3-Next passes `use_cache` and `output_router_logits` through), so dgps ignores them too,
+    with a warning naming them (shown once per name)."""
     if kwargs.get("head_first"):
         raise NotImplementedError(f"{RCP}.{fn}: head_first=True is not supported (FLA removed it too): "
                                   "pass [B, T, H, D] tensors")
-    bad = [k for k in kwargs if k not in accepted and k != "head_first"]
-    if bad:
-        raise TypeError(f"{RCP}.{fn}: unexpected keyword argument(s) {', '.join(bad)}")
+    for k in kwargs:
+        if k in accepted or k == "head_first":
+            continue
+        if k in _STATEFUL and kwargs[k] is not None and kwargs[k] is not False:
+            raise NotImplementedError(f"{RCP}.{fn}: argument {k} is not supported by this function")
+        else:
+            warnings.warn(f"{RCP}.{fn}: ignoring keyword argument {k!r}, which it does not use (as FLA does)",
+                          UserWarning, stacklevel=3)
 
 
 def _v_first(fn, state_v_first, kwargs):
@@ -50,8 +65,8 @@ def _f32(t):
 def _beta(fn, beta, use_sigmoid, allow_neg):
     if allow_neg and not use_sigmoid:
         raise ValueError(f"{RCP}.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-    if use_sigmoid:
-        beta = _f32(beta).sigmoid().to(beta.dtype)
+    if use_sigmoid:  # kept in float32, as FLA's kernels use it
+        beta = _f32(beta).sigmoid()
         if allow_neg:
             beta = beta * 2
     return beta
@@ -65,10 +80,13 @@ def _state_out(ht, v_first):
     return ht.transpose(-1, -2) if ht is not None and v_first else ht
 
 
-def _chunk_size(fn, kwargs, allowed):
+def _chunk_size(fn, kwargs, allowed, what):
+    """Checks FLA's `chunk_size` option with FLA's message (callers match it); dgps picks its own chunk length."""
     c = kwargs.get("chunk_size", 64)
     if c not in allowed:
-        raise ValueError(f"{RCP}.{fn}: chunk_size must be one of {allowed}, got {c}")
+        choices = f"either {allowed[0]} or {allowed[1]}" if len(allowed) == 2 else \
+            ", ".join(map(str, allowed[:-1])) + f", or {allowed[-1]}"
+        raise ValueError(f"{RCP}.{fn}: `chunk_size` must be {choices} for {what}, got {c}.")
     return 64  # dgps's kernels use their own chunk length: the result does not depend on it
 
 
@@ -122,7 +140,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     fn = "chunk_gated_delta_rule"
     _reject(fn, kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
     _unsupported(fn, cp_context=cp_context)
-    _chunk_size(fn, kwargs, (16, 32, 64))
+    _chunk_size(fn, kwargs, (16, 32, 64), "Gated Delta Rule")
     v_first = _v_first(fn, state_v_first, kwargs)
     if kwargs.get("use_gate_in_kernel", False):
         g = _gdn_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"))
@@ -199,7 +217,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     fn = "chunk_kda"
     _reject(fn, kwargs, ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "chunk_indices"))
     _unsupported(fn, cp_context=cp_context, return_intermediate_states=return_intermediate_states)
-    _chunk_size(fn, kwargs, (32, 64))
+    _chunk_size(fn, kwargs, (32, 64), "KDA")
     v_first = _v_first(fn, state_v_first, kwargs)
     if use_gate_in_kernel:
         g = _kda_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound)
@@ -316,7 +334,7 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     """DeltaNet (FLA `fla.ops.delta_rule.chunk_delta_rule`; float32 inputs are allowed here). Returns (o, ht)."""
     fn = "chunk_delta_rule"
     _reject(fn, kwargs, ("chunk_size",))
-    _chunk_size(fn, kwargs, (16, 32, 64))
+    _chunk_size(fn, kwargs, (16, 32, 64), "Delta Rule")
     o, ht, _ = recurrence("dn", q, k, v, beta=beta, initial_state=initial_state, scale=scale,
                           output_final_state=output_final_state, l2norm_qk=use_qk_l2norm_in_kernel,
                           cu_seqlens=cu_seqlens)
@@ -350,7 +368,8 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
                      state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
     """Mamba-2-style scalar-decay linear attention (FLA `chunk_simple_gla`): g [B,T,H] or g_gamma [H]. Returns (o, ht)."""
     fn = "chunk_simple_gla"
-    _reject(fn, kwargs, ("chunk_size", "chunk_indices"))
+    _reject(fn, kwargs, ("chunk_size", "chunk_indices", "transpose_state_layout"))
+    state_v_first = _v_first(fn, state_v_first, kwargs)
     if g is not None and g_gamma is not None:
         raise ValueError(f"{RCP}.{fn}: pass g or g_gamma, not both")
     if g_gamma is not None:
@@ -364,7 +383,11 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
-                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None):
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None,
+                               **kwargs):
     """FLA's fused_recurrent_simple_gla (reverse=True is not supported). Returns (o, ht)."""
-    _unsupported("fused_recurrent_simple_gla", reverse=reverse)
+    fn = "fused_recurrent_simple_gla"
+    _reject(fn, kwargs, ("transpose_state_layout",))
+    _unsupported(fn, reverse=reverse)
+    state_v_first = _v_first(fn, state_v_first, kwargs)
     return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens)

@@ -1,12 +1,14 @@
 """Runs FLA's own op tests with FLA's op functions replaced by dgps_torch's (FLA's references and tolerances stay).
 
-Usage: python run_fla_tests.py /path/to/flash-linear-attention [extra pytest args]
+Usage: python run_fla_tests.py [--jobs N] /path/to/flash-linear-attention [extra pytest args]
 Runs tests/ops/test_{gdn,kda,delta,precond_gated_delta,precond_kda,gla,simple_gla}.py and prints pass / fail /
-skip counts per file. The patch is installed before the test modules import (a pytest plugin), so their
+skip counts per file. --jobs N runs N files at a time, each in its own process on the same GPU (FLA's tests spend
+most of their time compiling Triton references on the CPU). The patch is installed before the test modules import (a pytest plugin), so their
 `from fla.ops.x import f` binds dgps_torch's f. Needs a GPU machine with FLA importable (its naive references).
 """
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -65,12 +67,39 @@ class Count:
             self.n.setdefault(f, {"passed": 0, "failed": 0, "skipped": 0})[report.outcome] += 1
 
 
+def _parallel(jobs, fla, files, extra):
+    """Runs each file in its own process, `jobs` at a time; returns the worst exit status."""
+    pending, running, rc = list(files), [], 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            f = pending.pop(0)
+            cmd = [sys.executable, os.path.abspath(__file__), fla, f, *extra]
+            running.append((f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        f, proc = running.pop(0)
+        out = proc.communicate()[0]
+        print(f"===== {os.path.basename(f)} (exit {proc.returncode})\n{out}", flush=True)
+        rc = max(rc, proc.returncode)
+    return rc
+
+
 def main():
-    fla = os.path.abspath(sys.argv[1])
+    args = sys.argv[1:]
+    jobs = 1
+    if args[:1] == ["--jobs"]:
+        jobs, args = int(args[1]), args[2:]
+    fla = os.path.abspath(args[0])
     sys.path.insert(0, fla)
-    files = [os.path.join(fla, "tests", "ops", f) for f in FILES if os.path.exists(os.path.join(fla, "tests", "ops", f))]
+    extra = args[1:]
+    named = [a for a in extra if a.endswith(".py")]
+    if named:  # one file (a --jobs worker, or a user's choice)
+        files, extra = named, [a for a in extra if not a.endswith(".py")]
+    else:
+        files = [os.path.join(fla, "tests", "ops", f) for f in FILES
+                 if os.path.exists(os.path.join(fla, "tests", "ops", f))]
+    if jobs > 1 and len(files) > 1:
+        return _parallel(jobs, fla, files, extra)
     count = Count()
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", *files, *sys.argv[2:]], plugins=[Patch(), count])
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", *files, *extra], plugins=[Patch(), count])
     for f, c in sorted(count.n.items()):
         print(f"{f}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
     return rc

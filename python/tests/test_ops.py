@@ -300,8 +300,13 @@ def test_errors():
         dt.chunk_gated_delta_rule(q, k, v, g, beta, head_first=True)
     with pytest.raises(NotImplementedError, match="cp_context"):
         dt.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())
-    with pytest.raises(TypeError, match="bogus"):
-        dt.chunk_gated_delta_rule(q, k, v, g, beta, bogus=1)
+    with pytest.warns(UserWarning, match="bogus"):  # FLA ignores unknown keywords (transformers passes some)
+        o_bogus = dt.chunk_gated_delta_rule(q, k, v, g, beta, bogus=1)[0]
+    torch.testing.assert_close(o_bogus, dt.chunk_gated_delta_rule(q, k, v, g, beta)[0], rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="ssm_state_indices"):  # but never one that moves state
+        dt.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state_indices=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64"):  # FLA's message
+        dt.chunk_kda(q, k, v, g.unsqueeze(-1).expand(*g.shape, 16), beta, chunk_size=16)
     with pytest.raises(NotImplementedError, match="gv"):
         dt.fused_recurrent_gated_delta_rule(q, k, v, g, gv=torch.zeros_like(v), beta=beta)
     with pytest.raises(ValueError, match="allow_neg_eigval"):

@@ -41,33 +41,78 @@ def _points(lengths, slices, kv_fixed, kv_ratio):
     return pts
 
 
-def run_grid(cfg, log):
+def run_grid(cfg, log, argv=()):
     os.makedirs(cfg.out, exist_ok=True)
     models = cfg.models.split(",")
-    lengths = [int(x) for x in cfg.lengths.split(",")]
+    if cfg.jobs > 1 and len(models) > 1:
+        return _grid_parallel(cfg, log, models, argv)
     lrs = parse_lrs(cfg.lrs)
-    pts = _points(lengths, cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
+    pts = _points([int(x) for x in cfg.lengths.split(",")], cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
     runs_path = os.path.join(cfg.out, "results.csv")
-    cache, rows = {}, []  # slices A and B share a point where length = kv_fixed * kv_ratio
+    done = set()  # slices A and B share a point where length = kv_fixed * kv_ratio
     with open(runs_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["model", "seq_len", "kv_pairs", "lr", "final_acc", "best_acc", "diverged", "wall_s", "step_ms"])
+        w.writerow(CSV_HEADER)
         for model in models:
             for s, L, kv in pts:
-                key = (model, L, kv)
-                if key not in cache:
-                    cfg.seq_len, cfg.kv_pairs = L, kv
-                    t0 = time.time()
-                    best, results = sweep(cfg, model, lrs, log=log, tag=f"[{LABEL[model]} T={L} kv={kv}] ")
-                    for r in results:
-                        w.writerow([model, L, kv, r["lr"], f"{r['final_acc']:.4f}", f"{r['best_acc']:.4f}",
-                                    int(r["diverged"]), f"{r['wall_s']:.1f}", f"{1e3 * r['step_s']:.2f}"])
-                    f.flush()
-                    cache[key] = (best, time.time() - t0)
-                    log(f"[{LABEL[model]} T={L} kv={kv}] best lr {best['lr']:g}: accuracy {best['final_acc']:.4f}")
-                best, wall = cache[key]
-                rows.append({"slice": s, "model": model, "seq_len": L, "kv_pairs": kv, "acc": best["final_acc"],
-                             "lr": best["lr"], "wall_s": wall})
+                if (model, L, kv) in done:
+                    continue
+                done.add((model, L, kv))
+                cfg.seq_len, cfg.kv_pairs = L, kv
+                best, results = sweep(cfg, model, lrs, log=log, tag=f"[{LABEL[model]} T={L} kv={kv}] ")
+                for r in results:
+                    w.writerow([model, L, kv, r["lr"], f"{r['final_acc']:.4f}", f"{r['best_acc']:.4f}",
+                                int(r["diverged"]), f"{r['wall_s']:.1f}", f"{1e3 * r['step_s']:.2f}"])
+                f.flush()
+                log(f"[{LABEL[model]} T={L} kv={kv}] best lr {best['lr']:g}: accuracy {best['final_acc']:.4f}")
+    return report(cfg, [runs_path])
+
+
+CSV_HEADER = ["model", "seq_len", "kv_pairs", "lr", "final_acc", "best_acc", "diverged", "wall_s", "step_ms"]
+
+
+def _grid_parallel(cfg, log, models, argv):
+    """One process per model (the GPU is far from busy with one small model); merges their results.csv.
+
+    Processes still running after --deadline seconds are stopped; the points they finished are reported."""
+    import subprocess
+    procs = []
+    for m in models:
+        out = os.path.join(cfg.out, m)
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--models", m, "--out", out, "--jobs", "1"]
+        procs.append((m, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)))
+        log(f"grid: {LABEL[m]} in its own process, log in {os.path.join(out, 'grid.log')}")
+    t0 = time.time()
+    for m, proc in procs:
+        try:
+            proc.wait(timeout=None if not cfg.deadline else max(1.0, cfg.deadline - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            log(f"grid: {LABEL[m]} stopped at the deadline ({cfg.deadline:g} s); its finished points are kept")
+    return report(cfg, [os.path.join(cfg.out, m, "results.csv") for m in models])
+
+
+def report(cfg, paths):
+    """Table, figure and grid.json from results.csv files: each point the best of its learning rates."""
+    runs = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                runs += list(csv.DictReader(f))
+    models = [m for m in MODELS if any(r["model"] == m for r in runs)]
+    lrs = sorted({float(r["lr"]) for r in runs})
+    pts = _points([int(x) for x in cfg.lengths.split(",")], cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
+    rows = []
+    for model in models:
+        for s, L, kv in pts:
+            mine = [r for r in runs if r["model"] == model and int(r["seq_len"]) == L and int(r["kv_pairs"]) == kv]
+            if not mine:
+                continue
+            best = max(mine, key=lambda r: (float(r["final_acc"]), float(r["best_acc"])))
+            rows.append({"slice": s, "model": model, "seq_len": L, "kv_pairs": kv, "acc": float(best["final_acc"]),
+                         "lr": float(best["lr"]), "wall_s": sum(float(r["wall_s"]) for r in mine),
+                         "step_ms": float(best["step_ms"])})
     _write_table(cfg, rows, models, lrs)
     _plot_grid(cfg, rows, models)
     with open(os.path.join(cfg.out, "grid.json"), "w") as f:
@@ -227,13 +272,16 @@ def _plot_curves(cfg, model, kernels, a, b):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("grid", "compare"))
+    p.add_argument("mode", choices=("grid", "compare", "report"))
     p.add_argument("--out", default="mqar_out")
     p.add_argument("--models", default="dn,pdn,gdn,pgdn")
     p.add_argument("--lengths", default="256,512,1024", help="grid: sequence lengths")
     p.add_argument("--slices", default="A,B")
     p.add_argument("--kv-fixed", type=int, default=64, help="grid slice A: KV pairs at every length")
     p.add_argument("--kv-ratio", type=int, default=8, help="grid slice B: KV pairs = length / ratio")
+    p.add_argument("--jobs", type=int, default=1, help="grid: models trained at once, one process each")
+    p.add_argument("--deadline", type=float, default=0, help="grid with --jobs: stop the processes after this "
+                   "many seconds and report the points they finished (0: no limit)")
     p.add_argument("--kernels", default="dgps,fla", help="compare: the two kernels")
     p.add_argument("--seq-len", type=int, default=256, help="compare: sequence length")
     p.add_argument("--kv-pairs", type=int, default=32, help="compare: KV pairs")
@@ -253,7 +301,13 @@ def main(argv=None):
         logf.flush()
 
     start = time.time()
-    (run_grid if cfg.mode == "grid" else run_compare)(cfg, log)
+    if cfg.mode == "grid":
+        run_grid(cfg, log, argv=list(sys.argv[1:] if argv is None else argv))
+    elif cfg.mode == "report":  # the table and figure again from <out>/results.csv and <out>/<model>/results.csv
+        report(cfg, [os.path.join(cfg.out, "results.csv")] +
+               [os.path.join(cfg.out, m, "results.csv") for m in cfg.models.split(",")])
+    else:
+        run_compare(cfg, log)
     log(f"study {cfg.mode}: done in {time.time() - start:.0f} s")
     return 0
 
