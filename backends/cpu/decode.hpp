@@ -191,7 +191,7 @@ inline void pgram_block(PT* P, int64_t ld, int64_t K, int64_t e, PT ia, PT sg, c
     if (s) {
       const V ns = vsplat(-sg * s[c]);
       for (int v = 0; v < NB; ++v) {
-        const V x = via * vload(row + v * L) + ns * ss[v];
+        const V x = vfma<PT>(ns, ss[v], via * vload(row + v * L));
         vstore(row + v * L, x);
         r1[v] += x1 * x;
         r2[v] += x2 * x;

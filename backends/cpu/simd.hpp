@@ -178,6 +178,23 @@ inline typename Vec<T>::type vsplat(T x) {
   return typename Vec<T>::type(x);
 }
 
+/// a * b + c as one explicit fused multiply-add where the ISA has one (else rounded twice). The kernels are
+/// compiled with -ffp-contract=fast, which lets the compiler fuse a * b + c' either way round, differently in
+/// different places (Clang does): an update whose rounding must be the same for every element (the exact
+/// preconditioners' symmetric P) spells its fusion out with this.
+template <class T>
+inline typename Vec<T>::type vfma(const typename Vec<T>::type& a, const typename Vec<T>::type& b,
+                                  const typename Vec<T>::type& c) {
+#if defined(DGPS_CPU_REG_AVX512)  // xsimd 8.1's AVX-512 fma is a * b + c, which the compiler may fuse either way
+  if constexpr (sizeof(T) == 8) return typename Vec<T>::type(_mm512_fmadd_pd(a, b, c));
+  else return typename Vec<T>::type(_mm512_fmadd_ps(a, b, c));
+#elif defined(DGPS_CPU_SIMD_XSIMD)
+  return xsimd::fma(a, b, c);  // the FMA instruction on AVX2 + FMA3 and NEON; a * b + c without one
+#else
+  return a * b + c;
+#endif
+}
+
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }
 

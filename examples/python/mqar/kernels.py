@@ -72,7 +72,13 @@ def _dgps():
     return run
 
 
-def _fla():
+def _fla(hopper_gated_backward=False):
+    """FLA's functions. On Hopper with Triton >= 3.4, < 3.7.1 FLA refuses its gated backward (that Triton
+    miscompiles it into wrong gradients, FLA issue #640); `hopper_gated_backward` runs it anyway, to measure
+    its time and to see what training on it does, never as a reference."""
+    if hopper_gated_backward:
+        import importlib
+        importlib.import_module("fla.ops.common.chunk_o").TRITON_ABOVE_3_7_1 = True
     from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     try:
@@ -95,13 +101,13 @@ def _fla():
     return run
 
 
-def get_kernel(name):
+def get_kernel(name, fla_hopper_gated_backward=False):
     """The mixer function for `--kernel name`: f(model, q, k, v, beta, g, g_atk, beta_atk, center) -> o."""
     if name == "dgps":
         return _dgps()
     if name == "fla":
         try:
-            return _fla()
+            return _fla(fla_hopper_gated_backward)
         except ImportError as e:
             raise SystemExit(f"mqar: --kernel fla needs flash-linear-attention installed beside ({e})")
     if name == "torch":

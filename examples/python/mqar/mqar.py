@@ -39,6 +39,9 @@ def add_args(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--fla-hopper-gated-backward", action="store_true",
+                   help="--kernel fla on Hopper with Triton < 3.7.1: run FLA's gated backward, which FLA refuses "
+                        "there because that Triton computes wrong gradients (FLA issue #640)")
     return p
 
 
@@ -57,7 +60,7 @@ def _autocast(cfg):
 
 def build(cfg, model_name, kernel_name=None):
     """The model for `model_name` on cfg.device, its recurrence from `kernel_name` (default cfg.kernel)."""
-    kernel = get_kernel(kernel_name or cfg.kernel)
+    kernel = get_kernel(kernel_name or cfg.kernel, cfg.fla_hopper_gated_backward)
     m = MQARModel(model_name, cfg.vocab, cfg.d_model, cfg.heads, kernel, mlp_expand=cfg.mlp_expand,
                   expand_v=cfg.expand_v, seed=cfg.seed)
     return m.to(cfg.device)

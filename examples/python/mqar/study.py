@@ -172,7 +172,7 @@ def _plot_grid(cfg, rows, models):
 def time_mixer(cfg, model_name, kernel_name, shapes, iters=10):
     """Seconds for one forward + backward of the recurrence alone at the model's shapes."""
     (B, T, H, K), (_, _, _, V), dtype = shapes
-    run = get_kernel(kernel_name)
+    run = get_kernel(kernel_name, cfg.fla_hopper_gated_backward)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def rnd(*s, dt=dtype):
