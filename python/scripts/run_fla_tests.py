@@ -16,6 +16,10 @@ import pytest
 FILES = ["test_gdn.py", "test_kda.py", "test_delta.py", "test_precond_gated_delta.py", "test_precond_kda.py",
          "test_gla.py", "test_simple_gla.py"]
 
+# Tests of FLA's internal kernels, which call nothing dgps replaces (not counted): test_prepare_wy_repr_bwd_no_g
+# drives FLA's WY helper directly, and did not finish within 320 s on an H100 (Triton 3.6), twice.
+NOT_OPS = ["test_prepare_wy_repr_bwd_no_g"]
+
 # (FLA module, function name); dgps_torch has a function of the same name.
 PATCHES = [
     ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
@@ -99,7 +103,8 @@ def main():
     if jobs > 1 and len(files) > 1:
         return _parallel(jobs, fla, files, extra)
     count = Count()
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", *files, *extra], plugins=[Patch(), count])
+    deselect = " and ".join(f"not {name}" for name in NOT_OPS)
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-k", deselect, *files, *extra], plugins=[Patch(), count])
     for f, c in sorted(count.n.items()):
         print(f"{f}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
     return rc
