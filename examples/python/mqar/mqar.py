@@ -1,6 +1,6 @@
 """Train the two-layer MQAR model (DN, PDN, GDN or PGDN) over a learning-rate sweep; see docs/mqar.md.
 
-  python3 mqar.py --model pgdn --kernel dgps --seq-len 64 --kv-pairs 8 --steps 600 --lrs 3e-3
+  python3 mqar.py --model gdn --kernel dgps --seq-len 64 --kv-pairs 8 --batch 32 --steps 1000 --lrs 1e-2
 """
 import argparse
 import json
@@ -24,9 +24,9 @@ def add_args(p):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="activation dtype (bfloat16 through autocast); the recurrence state is float32")
-    p.add_argument("--lrs", default="1e-3,3e-3", help="comma-separated learning rates (the sweep)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lrs", default="1e-2", help="comma-separated learning rates (the sweep)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--expand-v", type=float, default=1.0)
