@@ -1,6 +1,7 @@
 """FLA's op functions (flash-linear-attention, fla.ops.*) on dgps: same names, argument order, defaults and returns.
 
-Arguments dgps does not offer raise NotImplementedError naming them; unknown keyword arguments raise TypeError.
+Arguments dgps does not offer raise NotImplementedError naming them; other keyword arguments a function does not
+use are ignored with a warning, as FLA ignores them (see _reject).
 """
 import warnings
 
