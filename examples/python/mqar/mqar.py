@@ -33,6 +33,8 @@ def add_args(p):
     p.add_argument("--mlp-expand", type=float, default=2.0)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps spent warming up")
+    p.add_argument("--final-lr", type=float, default=0.1,
+                   help="the cosine decay's end, as a fraction of the peak (1: constant after the warmup)")
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=50)
@@ -93,12 +95,12 @@ def _optimizer(model, cfg, lr):
 
 
 def _lr_at(step, cfg, lr):
-    """Linear warmup, then cosine decay to 10% of the peak."""
+    """Linear warmup, then cosine decay to cfg.final_lr of the peak."""
     warm = max(1, int(cfg.warmup * cfg.steps))
     if step < warm:
         return lr * (step + 1) / warm
     t = (step - warm) / max(1, cfg.steps - warm)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr * (cfg.final_lr + (1 - cfg.final_lr) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def train(cfg, model_name, lr, kernel_name=None, log=print, tag=""):
