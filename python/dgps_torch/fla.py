@@ -34,9 +34,8 @@ def _reject(fn, kwargs, accepted=()):
             continue
         if k in _STATEFUL and kwargs[k] is not None and kwargs[k] is not False:
             raise NotImplementedError(f"{RCP}.{fn}: argument {k} is not supported by this function")
-        else:
-            warnings.warn(f"{RCP}.{fn}: ignoring keyword argument {k!r}, which it does not use (as FLA does)",
-                          UserWarning, stacklevel=3)
+        warnings.warn(f"{RCP}.{fn}: ignoring keyword argument {k!r}, which it does not use (as FLA does)",
+                      UserWarning, stacklevel=3)
 
 
 def _v_first(fn, state_v_first, kwargs):

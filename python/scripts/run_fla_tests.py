@@ -3,8 +3,8 @@
 Usage: python run_fla_tests.py [--jobs N] /path/to/flash-linear-attention [extra pytest args]
 Runs tests/ops/test_{gdn,kda,delta,precond_gated_delta,precond_kda,gla,simple_gla}.py and prints pass / fail /
 skip counts per file. --jobs N runs N files at a time, each in its own process on the same GPU (FLA's tests spend
-most of their time compiling Triton references on the CPU). The patch is installed before the test modules import (a pytest plugin), so their
-`from fla.ops.x import f` binds dgps_torch's f. Needs a GPU machine with FLA importable (its naive references).
+most of their time compiling Triton references on the CPU). The patch is installed before the test modules import
+(a pytest plugin), so their `from fla.ops.x import f` binds dgps_torch's f. Needs a GPU machine with FLA importable (its naive references).
 """
 import importlib
 import os

@@ -19,6 +19,7 @@ from kernels import MODELS, get_kernel  # noqa: E402
 from mqar import _sync, add_args, parse_lrs, sweep, train  # noqa: E402
 
 LABEL = {"dn": "DN", "pdn": "PDN", "gdn": "GDN", "pgdn": "PGDN"}
+CSV_HEADER = ["model", "seq_len", "kv_pairs", "lr", "final_acc", "best_acc", "diverged", "wall_s", "step_ms"]
 STYLE = {"dn": ("tab:blue", "--"), "pdn": ("tab:blue", "-"), "gdn": ("tab:red", "--"), "pgdn": ("tab:red", "-")}
 
 
@@ -41,13 +42,17 @@ def _points(lengths, slices, kv_fixed, kv_ratio):
     return pts
 
 
+def _grid_points(cfg):
+    return _points([int(x) for x in cfg.lengths.split(",")], cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
+
+
 def run_grid(cfg, log, argv=()):
     os.makedirs(cfg.out, exist_ok=True)
     models = cfg.models.split(",")
     if cfg.jobs > 1 and len(models) > 1:
         return _grid_parallel(cfg, log, models, argv)
     lrs = parse_lrs(cfg.lrs)
-    pts = _points([int(x) for x in cfg.lengths.split(",")], cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
+    pts = _grid_points(cfg)
     runs_path = os.path.join(cfg.out, "results.csv")
     done = set()  # slices A and B share a point where length = kv_fixed * kv_ratio
     with open(runs_path, "w", newline="") as f:
@@ -66,9 +71,6 @@ def run_grid(cfg, log, argv=()):
                 f.flush()
                 log(f"[{LABEL[model]} T={L} kv={kv}] best lr {best['lr']:g}: accuracy {best['final_acc']:.4f}")
     return report(cfg, [runs_path])
-
-
-CSV_HEADER = ["model", "seq_len", "kv_pairs", "lr", "final_acc", "best_acc", "diverged", "wall_s", "step_ms"]
 
 
 def _grid_parallel(cfg, log, models, argv):
@@ -102,7 +104,7 @@ def report(cfg, paths):
                 runs += list(csv.DictReader(f))
     models = [m for m in MODELS if any(r["model"] == m for r in runs)]
     lrs = sorted({float(r["lr"]) for r in runs})
-    pts = _points([int(x) for x in cfg.lengths.split(",")], cfg.slices.split(","), cfg.kv_fixed, cfg.kv_ratio)
+    pts = _grid_points(cfg)
     rows = []
     for model in models:
         for s, L, kv in pts:
