@@ -262,15 +262,17 @@ bool vec_rows(const Tensor& t, int64_t d) { return aligned_rows(t, 16, 8) && d %
 /// Two-element writes: base aligned to two elements of `d` and every stride even.
 bool pair_rows(const Tensor& t, DType d) { return aligned_rows(t, d == DType::f32 ? 8 : 4, 2); }
 
-/// The chunkwise kernels' arguments of call `p` (workspace pointers unset).
-kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a) {
+/// The chunkwise kernels' arguments of call `p` (workspace pointers unset); `bwd`: in backward mode
+/// (ChunkArgs::bwd).
+kernels::ChunkArgs make_chunk_args(const Params& p, const kernels::RecArgs& a, bool bwd = false) {
   kernels::ChunkArgs c;
   c.a = a;
+  c.bwd = bwd;
   const int64_t per = (p.T + kernels::kChunk - 1) / kernels::kChunk;
   c.chunks_per_seq = p.cu_seqlens ? 0 : per;
   c.chunk_bound = p.cu_seqlens ? per + p.N : p.B * per;
   c.Vpad = static_cast<int>((p.V + 63) / 64 * 64);
-  c.state_vt = kernels::state_value_tile(a, c.Vpad);
+  c.state_vt = kernels::state_value_tile(a, c.Vpad, !bwd);
   c.vec_qk = vec_rows(p.q, p.K) && vec_rows(p.k, p.K);
   c.vec_v = vec_rows(p.v, p.V);
   c.pair_o = pair_rows(p.o, p.dtype);
@@ -479,8 +481,7 @@ kernels::ChunkArgs* chunk_backward_args(const Params& p, const Plan& plan, const
   if (plan.kernel != Plan::Kernel::backward_chunkwise) return nullptr;
   kernels::RecArgs a = b.a;
   if (!training_forward) a.o = nullptr, a.hT = nullptr, a.aT = nullptr;  // the forward's outputs are not written
-  c = make_chunk_args(p, a);
-  c.bwd = true;
+  c = make_chunk_args(p, a, true);
   c.vec_do = vec_rows(g.d_o, p.V);
   b.chunk = &c;
   return &c;

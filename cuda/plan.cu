@@ -135,6 +135,9 @@ void plan_chunkwise(Plan& plan, const Params& p, ChunkArgs& c) {
   };
   // Few long sequences: the warpgroup pass with 128-column tiles over segments of each sequence
   // (ChunkArgs::split), where it has raw v rows; else the narrow tiles state_value_tile chose.
+  if ((o.state_vt == 16 || o.state_vt == 32 || o.state_vt == 64 || o.state_vt == 128) && o.state_vt <= c.Vpad &&
+      layout::state_smem_bytes(o.state_vt) <= chunk_max_smem())
+    c.state_vt = o.state_vt;
   const int narrow = c.state_vt;
   c.split = split_segments(c, o.split_chunks ? *o.split_chunks : -1);
   if (c.split > 1) c.state_vt = 128;

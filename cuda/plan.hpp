@@ -115,6 +115,10 @@ struct PlanOverride {
   bool allow_decode_columns = true;  ///< false: the block-row kernel where decode_warp_kernel would run
   /// 0: never split the state pass; n > 0: segments of n chunks wherever the split applies at all.
   std::optional<int64_t> split_chunks;
+  /// 16, 32, 64 or 128: the forward's state pass on tiles of that many value columns where they fit (V
+  /// padded to 64, the device's shared memory) instead of state_value_tile's choice (a split pass still
+  /// runs 128).
+  int state_vt = 0;
   int sums_blocks = 0;  ///< n > 0: the statistics' sums kernel on n blocks (each takes many chunks in turn)
   int decode_cols = 0;  ///< 32 or 64: the one-token decode's block width (block-row kernels only)
   std::optional<bool> decode_grouped;  ///< the grouped one-token decode kernel on or off (where it applies)

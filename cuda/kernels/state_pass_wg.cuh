@@ -79,7 +79,9 @@ constexpr int kWgDiag = 1, kWgRawV = 2, kWgKW = 4;
 /// sequence z / segments. With TR (pass 1, segments but the last) block x = 0 starts from S = I and
 /// reads no v rows (its state at the segment's end is the segment's transition A), x = 1 from S = 0
 /// (the offset B); neither forms O, so no q rows and no P are copied; each writes S^T to Tseg. Without
-/// TR (pass 2) each segment starts from Sseg (split_scan_kernel's) and the last one writes hT.
+/// TR (pass 2) each segment starts from Sseg (split_scan_kernel's) and the last one writes hT. Packed
+/// sequences (cu_seqlens) have as many segments as their chunks need (split_last_segment); the blocks of
+/// the others return at once.
 /// O^T leaves through a staging tile (stmatrix, transposed to token rows) written 16 bytes per thread
 /// where o's rows allow it (ChunkArgs::vec_o, 16-bit o), else element by element.
 /// MODE (compile-time paths, so that a launch issues no code of the others): kWgDiag for Diagonal
@@ -132,6 +134,9 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
   int64_t first, count, len;
   seq_chunks(ca, n, &first, &count, &len);
   const int64_t c0 = split ? seg * ca.seg_chunks : 0, cend = split ? imin64(count, c0 + ca.seg_chunks) : count;
+  // Packed sequences have `split` segments at most (the longest possible): a segment past this sequence's
+  // chunks has nothing to do, and pass 1 skips the sequence's last segment too (split_last_segment).
+  if (split && (TR ? seg >= split_last_segment(ca, count) : seg > split_last_segment(ca, count))) return;
   const int64_t bos = a.cu_seqlens ? a.cu_seqlens[n] : 0, b = a.cu_seqlens ? 0 : n;
   if (!a.online) {  // Offline solve: W's tiles stay zero (never copied), so R = U
     for (int e = threadIdx.x; e < 2 * kWgPacked / 16; e += NT)
@@ -489,7 +494,7 @@ __global__ void __launch_bounds__(WGS * 128 + (MODE & kWgKW ? 128 : 0), 1)
     float* d = ca.Tseg + (((int64_t(n) * a.HV + hv) * segs + seg) * 2 + part) * KP * KP;
 #pragma unroll
     for (int j = 0; j < 64; ++j) d[(v0 + acc_row(m0, j % 4)) * KP + acc_col(8 * (j / 4), j % 4)] = ST[j];
-  } else if (a.hT && (!split || seg == segs - 1))
+  } else if (a.hT && (!split || seg == split_last_segment(ca, count)))
 #pragma unroll
     for (int j = 0; j < 64; ++j) {
       const int c = v0 + acc_row(m0, j % 4), k = acc_col(8 * (j / 4), j % 4);

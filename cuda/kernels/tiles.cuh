@@ -181,6 +181,12 @@ __device__ __forceinline__ void seq_chunks(const ChunkArgs& ca, int n, int64_t* 
   }
 }
 
+/// The split state pass's last segment of a sequence of `count` chunks (ChunkArgs::split; 0 for an empty
+/// sequence): equal-length sequences have ChunkArgs::split segments, packed ones as many as they need.
+__device__ __forceinline__ int split_last_segment(const ChunkArgs& ca, int64_t count) {
+  return count > 0 ? static_cast<int>((count - 1) / ca.seg_chunks) : 0;
+}
+
 /// The chunk's rows of one head of a [B, T, heads, D] tensor as one thread holds them between its
 /// loads and its stores to shared memory (16-byte rows, D % 8 == 0; COLS >= D, a multiple of 16).
 template <class Tin, int COLS>

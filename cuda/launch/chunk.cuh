@@ -259,9 +259,10 @@ struct ChunkArgs {
   /// kernel writes blocked to `W`.
   bool raw_v = false;
   void* Tm = nullptr;  ///< [chunk_bound, HV, C, C] the solve Tm = (I + Akk)^{-1} Diag(beta) (raw_v)
-  /// The split state pass (raw_v, equal-length sequences, few (sequence, value head) pairs, long
-  /// sequences; split_segments): each sequence's chunks in `split` segments of `seg_chunks` (the last
-  /// may be shorter), so that one sequence's sequential pass runs on several SMs. Each segment's state
+  /// The split state pass (raw_v, few (sequence, value head) pairs, long sequences; split_segments):
+  /// each sequence's chunks in segments of `seg_chunks` (the last may be shorter; `split` of them for
+  /// equal lengths, at most `split` for packed sequences), so that one sequence's sequential pass runs
+  /// on several SMs. Each segment's state
   /// map S -> A S + B is linear: pass 1 (state_wg_kernel with TR) runs every segment but the last from
   /// S = I with no values (giving A) and from S = 0 (giving B), `split_scan_kernel` chains the segments
   /// from h0 in float32, and pass 2 (the forward's state pass) runs every segment from its start state,
@@ -299,13 +300,17 @@ inline size_t lookback_bytes(const ChunkArgs& c) {
 size_t chunk_workspace(ChunkArgs& c, void* base);
 
 /// Value columns per block of the forward's state pass (128 with 8 warps, or 64, 32, 16 with 4 compute
-/// warps and a producer warp): the widest tile that still gives every SM a block and fits the device.
-int state_value_tile(const RecArgs& a, int Vpad);
+/// warps and a producer warp): in the `forward` on Hopper (the warpgroup pass) 128 from a fifth of the SMs'
+/// worth of (sequence, value head) pairs, else the widest tile that still gives every SM a block and fits
+/// the device.
+int state_value_tile(const RecArgs& a, int Vpad, bool forward);
 
 /// Segments per sequence of the split state pass (ChunkArgs::split) for a call with 128-column tiles
-/// and raw v rows: 0 (no split) unless the sequences have equal lengths, few (sequence, value head)
-/// pairs leave most SMs idle (at most a sixth of them busy) and the sequences are long (16 chunks per
-/// segment at least). `forced`: 0 turns it off, n > 0 forces segments of n chunks wherever the split
+/// and raw v rows: 0 (no split) unless the (sequence, value head) pairs leave three quarters of the SMs
+/// idle and the sequences are long (64 chunks at least); then segments of about
+/// (chunks x HV / SMs) chunks rounded up to a multiple of 16, so that pass 2 has about a block per SM. Packed sequences (cu_seqlens)
+/// get as many segments as the whole batch could need (T / 64 chunks); the blocks of shorter ones
+/// return at once. `forced`: 0 turns it off, n > 0 forces segments of n chunks wherever the split
 /// applies at all (the tests' plan override), negative leaves the automatic choice. Sets c.seg_chunks
 /// (the caller sets c.split).
 int split_segments(ChunkArgs& c, int64_t forced);

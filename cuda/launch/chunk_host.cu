@@ -15,12 +15,25 @@ size_t chunk_max_smem() {
   return static_cast<size_t>(bytes);
 }
 
-int state_value_tile(const RecArgs& a, int Vpad) {
+namespace {
+
+int sm_count() {
   int sms = 132, dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
+}  // namespace
+
+int state_value_tile(const RecArgs& a, int Vpad, bool forward) {
+  const int sms = sm_count();
   const int64_t heads = int64_t(a.N) * a.HV;
   const size_t smem = chunk_max_smem();
-  if (Vpad == 128 && heads >= sms * 9 / 10 && layout::state_smem_bytes(128) <= smem) return 128;  // a block per head
+  // A block per head: in the forward on Hopper (the warpgroup pass) from a fifth of the SMs' worth of heads
+  // (the plan grid, docs/performance-cuda.md: 128 columns beat 64, 32 and 16 at every point with 32 or more
+  // heads, though most SMs idle), elsewhere (the 8-warp mma.sync pass) once the heads fill the GPU.
+  const int64_t wide = forward && sm90_kernels() ? (sms + 4) / 5 : sms * 9 / 10;
+  if (Vpad == 128 && heads >= wide && layout::state_smem_bytes(128) <= smem) return 128;
   if (heads * (Vpad / 64) >= sms && layout::state_smem_bytes(64) <= smem) return 64;
   if (heads * (Vpad / 32) >= sms && layout::state_smem_bytes(32) <= smem) return 32;
   return 16;
@@ -29,17 +42,22 @@ int state_value_tile(const RecArgs& a, int Vpad) {
 int split_segments(ChunkArgs& c, int64_t forced) {
   const RecArgs& a = c.a;
   c.seg_chunks = 0;
-  const int64_t count = c.chunks_per_seq;
-  if (a.cu_seqlens || count < 2 || forced == 0) return 0;
+  // The most chunks one sequence has: every sequence's count, or the whole packed batch's at most.
+  const int64_t count = a.cu_seqlens ? (a.T + kChunk - 1) / kChunk : c.chunks_per_seq;
+  if (count < 2 || forced == 0) return 0;
   int64_t per = forced;
-  if (per < 0) {  // automatic: as many segments as idle SMs allow, 16 chunks each at least
-    int sms = 132, dev = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int64_t segs = std::min<int64_t>(sms / (int64_t(a.N) * a.HV), count / 16);
-    if (segs < 6) return 0;
-    per = (count + segs - 1) / segs;
+  if (per < 0) {
+    // Automatic: only where the (sequence, value head) pairs leave three quarters of the SMs idle (from
+    // half of them on, the unsplit 128-column pass was faster on the plan grid) and the sequences are 64
+    // chunks long or more (2048 tokens with 8 or 16 heads ran faster on the unsplit 16-column pass); then
+    // segments of a multiple of 16 chunks that spread every sequence's chunks (all of the batch's, or a
+    // packed batch's total) over about one block per SM.
+    const int sms = sm_count();
+    const int64_t heads = int64_t(a.N) * a.HV, chunks = a.cu_seqlens ? count : int64_t(a.N) * count;
+    if (4 * heads > sms || count < 64) return 0;
+    per = ((chunks * a.HV + sms - 1) / sms + 15) / 16 * 16;
   }
-  const int64_t segs = (count + per - 1) / per;  // every segment non-empty
+  const int64_t segs = (count + per - 1) / per;  // every segment of the longest sequence non-empty
   // (pass 2's grid has N x segments blocks in z, at most 65535; only a forced segment length gets near)
   if (segs < 2 || segs * a.N > 65535) return 0;
   c.seg_chunks = per;

@@ -113,15 +113,19 @@ cudaError_t launch_state_wg(const ChunkArgs& ca, const CUtensorMap& tq, const CU
 
 /// The split state pass's scan (ChunkArgs::split): the state entering each segment of each (sequence,
 /// value head), S_0 = h0 and S_{j+1} = A_j S_j + B_j with pass 1's A_j^T and B_j^T (Tseg), into Sseg
-/// (transposed, like the warpgroup pass's accumulators). Float32 on the CUDA cores; a block per (sequence,
-/// value head) and kScanCols value columns, two threads per key (8 columns each). A_{j+1}^T is copied into
-/// shared memory (cp.async, two buffers of 64 KB) while step j computes: one memory round trip per step.
+/// (transposed, like the warpgroup pass's accumulators), up to the sequence's last segment. Float32 on the
+/// CUDA cores; a block per (sequence, value head) and kScanCols value columns, two threads per key (8
+/// columns each). A_{j+1}^T is copied into shared memory (cp.async, two buffers of 64 KB) while step j
+/// computes: one memory round trip per step.
 constexpr int kScanCols = 16;
 constexpr size_t kScanSmem = sizeof(float) * (2 * KP * KP + KP * kScanCols);
 __global__ void __launch_bounds__(2 * KP) split_scan_kernel(const ChunkArgs ca) {
   constexpr int CW = kScanCols / 2;
   const RecArgs& a = ca.a;
   const int nh = blockIdx.x, n = nh / a.HV, hv = nh % a.HV, k = threadIdx.x % KP;
+  int64_t first, count, len;
+  seq_chunks(ca, n, &first, &count, &len);
+  const int last = split_last_segment(ca, count);  // (packed sequences: fewer segments than ca.split)
   const int c0 = blockIdx.y * kScanCols + CW * (threadIdx.x / KP), cl = c0 % kScanCols;
   extern __shared__ __align__(16) float scan_smem[];
   float* sA = scan_smem;                     // two buffers of A_j^T [KP][KP]
@@ -133,7 +137,7 @@ __global__ void __launch_bounds__(2 * KP) split_scan_kernel(const ChunkArgs ca) 
     for (int e = threadIdx.x; e < KP * KP / 4; e += 2 * KP) cp_async16(dst + 4 * e, src + 4 * e);
     cp_commit();
   };
-  load(0);  // (split > 1)
+  if (last > 0) load(0);
   float s[CW];
 #pragma unroll
   for (int c = 0; c < CW; ++c)
@@ -142,14 +146,14 @@ __global__ void __launch_bounds__(2 * KP) split_scan_kernel(const ChunkArgs ca) 
     float* d = ca.Sseg + (int64_t(nh) * ca.split + j) * KP * KP + int64_t(c0) * KP + k;
 #pragma unroll
     for (int c = 0; c < CW; ++c) d[c * KP] = s[c];
-    if (j + 1 == ca.split) break;
+    if (j == last) break;
     __syncthreads();  // every thread is done with S_{j-1} and A_{j-1}'s buffer
 #pragma unroll
     for (int c = 0; c < CW; ++c) sS[k * kScanCols + cl + c] = s[c];
     const float* Bt = T0 + (int64_t(j) * 2 + 1) * KP * KP + int64_t(c0) * KP + k;
 #pragma unroll
     for (int c = 0; c < CW; ++c) s[c] = Bt[c * KP];
-    if (j + 2 < ca.split) {
+    if (j + 1 < last) {
       load(j + 1);
       cp_wait<1>();
     } else {

@@ -292,6 +292,7 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
       DType d;
       const char* tile;
       bool rv = true;  // 128 columns on Hopper: the residual from the raw v rows (V = 128)
+      int vt = 0;      // the tile forced (PlanOverride::state_vt; the automatic plan picks 128 at these heads)
     };
     const WgCase cases[] = {
         {"gdn", {.batch = 4, .time = 200, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 128}, {},
@@ -301,9 +302,9 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 64, .value_dim = 128}, {},
          DType::bf16, "v128"},
         {"pgdn", {.batch = 3, .time = 150, .heads = 8, .v_heads = 24, .key_dim = 128, .value_dim = 128}, {}, DType::f16,
-         "v64"},
+         "v64", true, 64},
         {"pkda", {.batch = 1, .time = 300, .heads = 10, .v_heads = 10, .key_dim = 128, .value_dim = 128},
-         {0, 1, 65, 65, 130, 300}, DType::bf16, "v32"},
+         {0, 1, 65, 65, 130, 300}, DType::bf16, "v32", true, 32},
         {"gdn", {.batch = 4, .time = 100, .heads = 16, .v_heads = 32, .key_dim = 128, .value_dim = 64}, {}, DType::bf16,
          "v32"},
         // Narrower V in the warpgroup pass's tiles: o's rows staged and written 16 bytes at a time for
@@ -318,10 +319,11 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
          "v16"},
     };
     for (const char* wg : {"1", "0"}) {
-      PlanOverride pass;
-      pass.allow_wgmma = wg[0] == '1';
-      const ScopedPlanOverride forced(pass);
       for (const WgCase& w : cases) {
+        PlanOverride pass;
+        pass.allow_wgmma = wg[0] == '1';
+        pass.state_vt = w.vt;
+        const ScopedPlanOverride forced(pass);
         Case c = make_random(w.model, w.shape, w.cu, seed++);
         const std::string name = std::string("chunk/wgmma") + wg + "/" + w.model + "/" + w.tile;
         const std::string impl = compare(name, c, w.d, DType::f32, ws, nullptr);
@@ -341,12 +343,15 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
     // rows): forced segments of 3 chunks (the last segment and chunk partial) for each kind of k rows
     // (raw with raw q: GDN, DN; raw with the intra kernel's write key: PGDN, PDN; K ⊙ e^gamma: KDA,
     // PKDA, K = 64), two sequences, GVA, h0 in and hT out, the raw rows by cp.async once; then the
-    // automatic choice on one long sequence (96 chunks: 6 segments of 16), and no split there (split_chunks 0).
+    // automatic choice on one long sequence (96 chunks: 6 segments of 16), and no split there (split_chunks 0);
+    // packed sequences (an empty one, a one-token one, lengths that end mid-segment and mid-chunk: segments
+    // up to the longest possible, the shorter sequences' blocks idle), forced and automatic.
     struct SplitCase {
       const char* model;
       dgps::Shape shape;
       const char* split;
       bool tma;
+      std::vector<int64_t> cu = {};
     };
     const SplitCase splits[] = {
         {"gdn", {.batch = 2, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "3", true},
@@ -359,16 +364,27 @@ void chunkwise_cases(dgps::cuda::Workspace& ws, bool quick) {
         {"pgdn", {.batch = 2, .time = 800, .heads = 1, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "3", false},
         {"pgdn", {.batch = 1, .time = 6144, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "", true},
         {"gdn", {.batch = 1, .time = 6144, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "0", true},
+        {"gdn", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "3", true,
+         {0, 1, 1, 450, 1000}},
+        {"pgdn", {.batch = 1, .time = 1000, .heads = 2, .v_heads = 4, .key_dim = 128, .value_dim = 128}, "4", true,
+         {0, 300, 301, 1000}},
+        {"kda", {.batch = 1, .time = 700, .heads = 2, .v_heads = 2, .key_dim = 128, .value_dim = 128}, "3", false,
+         {0, 500, 700}},
+        {"pkda", {.batch = 1, .time = 900, .heads = 2, .v_heads = 2, .key_dim = 64, .value_dim = 128}, "2", true,
+         {0, 130, 900}},
+        {"gdn", {.batch = 1, .time = 6336, .heads = 1, .v_heads = 1, .key_dim = 128, .value_dim = 128}, "", true,
+         {0, 192, 6336}},
     };
     for (const SplitCase& w : splits) {
       PlanOverride segs;
       if (w.split[0]) segs.split_chunks = std::atoll(w.split);
       segs.allow_tma = w.tma;
       const ScopedPlanOverride forced(segs);
-      Case c = make_random(w.model, w.shape, {}, seed++);
+      Case c = make_random(w.model, w.shape, w.cu, seed++);
       const std::string name = std::string("chunk/split") + (w.split[0] ? w.split : "auto") + "/" + w.model + "/B" +
                                std::to_string(w.shape.batch) + "T" + std::to_string(w.shape.time) + "K" +
-                               std::to_string(w.shape.key_dim) + (w.tma ? "" : "/cp");
+                               std::to_string(w.shape.key_dim) + (w.tma ? "" : "/cp") +
+                               (w.cu.empty() ? "" : "/N" + std::to_string(w.cu.size() - 1));
       for (DType d : {DType::bf16, DType::f16}) {
         const std::string impl = compare(name, c, d, DType::f32, ws, nullptr);
         const bool want = hopper && std::string(w.split) != "0";
