@@ -20,6 +20,8 @@
 
 #include <dgps/cuda.hpp>
 
+#include "plan.hpp"
+
 namespace {
 
 void ck(cudaError_t e, const char* what) {
@@ -298,6 +300,143 @@ void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K
   emit({model, name, B, 1, H, HV, K, V, ms, bytes, 6.0 * K * V * HV * B, impl});
 }
 
+/// Median time in ms of one call of `f(stream)` replayed from a CUDA graph: one eager call first (it sizes the
+/// workspace), then a graph of G calls (G so that a replay takes about a millisecond, 1 to 20) replayed 25
+/// times after 3 warm-up replays; the median replay over G.
+template <class F>
+double graph_ms(F&& f) {
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  f(s);
+  cudaEventRecord(e0, s);
+  for (int i = 0; i < 3; ++i) f(s);
+  cudaEventRecord(e1, s);
+  ck(cudaEventSynchronize(e1), "eager runs");
+  float eager;
+  cudaEventElapsedTime(&eager, e0, e1);
+  const int G = std::clamp(int(3.0f / std::max(eager, 1e-3f)), 1, 20);
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+  for (int i = 0; i < G; ++i) f(s);
+  ck(cudaStreamEndCapture(s, &g), "end capture");
+  ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  std::vector<float> t;
+  for (int i = 0; i < 28; ++i) {
+    cudaEventRecord(e0, s);
+    cudaGraphLaunch(ge, s);
+    cudaEventRecord(e1, s);
+    ck(cudaEventSynchronize(e1), "graph replay");
+    float m;
+    cudaEventElapsedTime(&m, e0, e1);
+    if (i >= 3) t.push_back(m / G);
+  }
+  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// One point of the plan grid: packed sequences of `lens` tokens (cu_seqlens), h_qk / h_v heads.
+struct GridLayout {
+  const char* name;
+  std::vector<int64_t> lens;
+};
+
+/// The plan grid (--grid): the forward of GDN, PGDN, KDA and PKDA (bf16, K = V = 128, float32 gates, hT
+/// written) on packed sequences (cu_seqlens, as serving engines and the public Hopper benchmarks call it)
+/// at real models' head layouts, each point timed (CUDA graphs, graph_ms) with the automatic plan and with
+/// every forced variant of the state pass: value tiles of 128, 64, 32, 16 columns without a split, and the
+/// split pass with segments of 16 to 256 chunks (where that gives 2 to 64 segments). Prints a CSV row per
+/// variant (`grid,model,layout,hqk,hv,variant,impl,ms,ns_per_token_head,floor_frac`, floor_frac: the
+/// bytes floor, every input read and o, hT written once at the measured copy bandwidth, over the time)
+/// and per point the best variant and the automatic plan's time over it; `only` filters models as main's;
+/// `auto_only`: the automatic plan alone.
+void bench_grid(const std::string& only, FILE* csv, bool auto_only) {
+  using dgps::cuda::Tensor;
+  namespace pt = dgps::cuda::testing;
+  const GridLayout layouts[] = {{"1024x8", std::vector<int64_t>(8, 1024)}, {"2048x4", std::vector<int64_t>(4, 2048)},
+                                {"4096x8", std::vector<int64_t>(8, 4096)}, {"8192x4", std::vector<int64_t>(4, 8192)},
+                                {"1x2048", {2048}},
+                                {"1x8192", {8192}},
+                                {"1x32768", {32768}},
+                                {"28672+4096", {28672, 4096}}};
+  const std::pair<int64_t, int64_t> heads[] = {{2, 8}, {4, 16}, {8, 32}, {16, 16}, {16, 32}, {16, 64}, {32, 32}};
+  std::printf("grid,model,layout,hqk,hv,variant,impl,ms,ns_per_token_head,floor_frac\n");
+  if (csv) std::fprintf(csv, "model,layout,hqk,hv,variant,impl,ms,ns_per_token_head,floor_frac\n");
+  const int64_t K = 128, V = 128;
+  for (const char* m : {"gdn", "pgdn", "kda", "pkda"}) {
+    if (!only.empty() && only.find(m) == std::string::npos) continue;
+    for (const GridLayout& L : layouts)
+      for (const auto& [H, HV] : heads) {
+        std::vector<int64_t> cu{0};
+        for (int64_t l : L.lens) cu.push_back(cu.back() + l);
+        const int64_t T = cu.back(), N = int64_t(L.lens.size());
+        const int64_t longest = *std::max_element(L.lens.begin(), L.lens.end());
+        Problem pr;
+        setup(pr, m, 1, T, H, HV, K, V, 5);
+        auto& p = pr.p;
+        p.N = N;
+        Buf& cub = pr.make(sizeof(int64_t) * cu.size());
+        ck(cudaMemcpy(cub.p, cu.data(), sizeof(int64_t) * cu.size(), cudaMemcpyHostToDevice), "cu_seqlens");
+        p.cu_seqlens = static_cast<const int64_t*>(cub.p);
+        p.hT = Tensor::contiguous(pr.make(size_t(N * HV * K * V) * 4).p, HV, K, V);
+        const bool prec = p.spec.precond != dgps::precond::Kind::identity;
+        if (prec) p.aT = Tensor::contiguous(pr.make(size_t(N * H * K) * 4).p, H, K, 1);
+        const double bytes = pr.in_bytes + 2.0 * T * HV * V + 4.0 * N * HV * K * V + (prec ? 4.0 * N * H * K : 0);
+        dgps::cuda::Workspace ws;
+        struct Variant {
+          std::string name;
+          pt::PlanOverride o;
+        };
+        std::vector<Variant> vs{{"auto", {}}};
+        for (int vt : {128, 64, 32, 16}) {
+          if (auto_only) break;
+          pt::PlanOverride o;
+          o.state_vt = vt, o.split_chunks = 0;
+          vs.push_back({"v" + std::to_string(vt), o});
+        }
+        const int64_t chunks = (longest + 63) / 64;
+        for (int64_t seg : {16, 32, 64, 128, 256}) {
+          const int64_t segs = (chunks + seg - 1) / seg;
+          if (segs < 2 || segs > 64 || auto_only) continue;
+          pt::PlanOverride o;
+          o.split_chunks = seg;
+          vs.push_back({"s" + std::to_string(seg), o});
+        }
+        double auto_ms = 0, best_ms = 1e30;
+        std::string best, auto_impl;
+        std::vector<std::string> seen;  // variants that ran as another one already timed
+        for (const Variant& v : vs) {
+          const char* impl = "";
+          double ms = 0;
+          {
+            const pt::ScopedPlanOverride forced(v.o);
+            impl = dgps::cuda::forward(p, ws, nullptr);
+            const std::string key = std::string(impl) + "/" + std::to_string(pt::last_plan().seg_chunks);
+            if (v.name != "auto" && std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+            seen.push_back(key);
+            ms = graph_ms([&](cudaStream_t s) { dgps::cuda::forward(p, ws, s); });
+          }
+          const double ns = ms * 1e6 / (double(T) * HV), frac = bytes / (ms * 1e-3) / 1e9 / g_copy_gbps;
+          std::printf("grid,%s,%s,%lld,%lld,%s,%s,%.4f,%.3f,%.3f\n", m, L.name, (long long)H, (long long)HV,
+                      v.name.c_str(), impl, ms, ns, frac);
+          if (csv)
+            std::fprintf(csv, "%s,%s,%lld,%lld,%s,%s,%.5f,%.4f,%.4f\n", m, L.name, (long long)H, (long long)HV,
+                         v.name.c_str(), impl, ms, ns, frac);
+          if (v.name == "auto") auto_ms = ms, auto_impl = impl;
+          if (ms < best_ms) best_ms = ms, best = v.name;
+        }
+        std::printf("# %s %s h%lld/%lld: auto %.4f ms (%s), best %s %.4f ms, auto/best %.3f\n", m, L.name,
+                    (long long)H, (long long)HV, auto_ms, auto_impl.c_str(), best.c_str(), best_ms, auto_ms / best_ms);
+        std::fflush(stdout);
+        if (csv) std::fflush(csv);
+      }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -331,6 +470,16 @@ int main(int argc, char** argv) {
     return 0;
   }
   g_copy_gbps = copy_bandwidth();
+  // --grid [file] [models] [auto]: the plan grid (bench_grid), its rows also written to file; "auto": the
+  // automatic plan only.
+  if (argc > 1 && std::string(argv[1]) == "--grid") {
+    std::printf("# device %s, %d SMs, measured copy bandwidth %.0f GB/s\n", prop.name, prop.multiProcessorCount,
+                g_copy_gbps);
+    FILE* f = argc > 2 ? std::fopen(argv[2], "w") : nullptr;
+    bench_grid(argc > 3 ? argv[3] : "", f, argc > 4 && std::string(argv[4]) == "auto");
+    if (f) std::fclose(f);
+    return 0;
+  }
   std::printf("# device %s, %d SMs, measured copy bandwidth %.0f GB/s\n", prop.name, prop.multiProcessorCount,
               g_copy_gbps);
   std::printf("impl,model,case,B,T,H,HV,K,V,ms,tokens_per_s,tflops,gbps,copy_frac,variant\n");

@@ -3,6 +3,7 @@
 Rows join on (model, case): forward (`fwd_*`), forward + backward (`fwdbwd_*`), backward alone (`bwd_*`)
 and decode rows. A second table compares the memory of the backward rows: dgps's backward workspace
 (bench_cuda's `mem_bytes`) and FLA's peak allocation during forward + backward (fla_bench's `mem_bytes`).
+`--grid dgps.csv [fla.csv]`: the plan grid's table (bench_cuda --grid, fla_bench.py --grid).
 """
 import csv
 import sys
@@ -47,5 +48,40 @@ def main(dgps_csv, *fla_csvs):
             print(f"| {r['model']} | {r['case']} | {mib(r['mem_bytes'])} | {mib(f)} |")
 
 
+def grid(dgps_csv, fla_csv):
+    """The plan grid: bench_cuda --grid's rows (every variant) beside fla_bench.py --grid's (FLA with and
+    without CUDA graphs). One row per point: dgps's automatic plan, its best forced variant, FLA, the ratios,
+    ns per token-head and the fraction of the bytes floor."""
+    fla = {}
+    try:
+        for r in csv.DictReader(open(fla_csv)):
+            try:
+                fla[(r["model"], r["layout"], r["hqk"], r["hv"])] = (float(r["ms_graph"]), float(r["ms_eager"]))
+            except ValueError:  # an FLA error row
+                pass
+    except (FileNotFoundError, TypeError):
+        pass
+    points = {}
+    for r in csv.DictReader(open(dgps_csv)):
+        points.setdefault((r["model"], r["layout"], r["hqk"], r["hv"]), []).append(r)
+    print("| model | layout | h_qk/h_v | dgps ms | ns/token-head | floor frac | best forced variant (ms) | auto/best | "
+          "FLA graph ms | FLA eager ms | dgps/FLA graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, rs in points.items():
+        auto = next((r for r in rs if r["variant"] == "auto"), None)
+        if auto is None:
+            continue
+        best = min(rs, key=lambda r: float(r["ms"]))
+        a = float(auto["ms"])
+        f = fla.get(key)
+        print(f"| {key[0]} | {key[1]} | {key[2]}/{key[3]} | {a:.4f} | {float(auto['ns_per_token_head']):.3f} | "
+              f"{float(auto['floor_frac']):.2f} | {best['variant']} ({float(best['ms']):.4f}) | "
+              f"{a / float(best['ms']):.2f} | {f'{f[0]:.4f}' if f else 'n/a'} | {f'{f[1]:.4f}' if f else 'n/a'} | "
+              f"{f'{a / f[0]:.2f}' if f else 'n/a'} |")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], *sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--grid":  # --grid dgps_grid.csv [fla_grid.csv]
+        grid(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    else:
+        main(sys.argv[1], *sys.argv[2:])

@@ -7,8 +7,11 @@ FLA is not part of dgps: this script imports it from PYTHONPATH (a checkout's `f
 Prints CSV rows `impl,model,case,ms,mem_bytes` (mem_bytes: the peak allocation of one forward +
 backward above what was allocated before it; empty for other rows) and writes them to argv[1] when given.
 argv[2] filters the cases, e.g. "gdn,pgdn,decode,bwd" (bwd: the forward + backward rows).
+`--grid [file] [models]`: the plan grid of bench_cuda --grid (packed sequences, real models' head layouts),
+FLA timed with and without CUDA graphs.
 """
 import importlib
+import itertools
 import sys
 import statistics
 
@@ -164,7 +167,71 @@ def decode(model, B, H, HV, K=128, V=128, graph=False):
     emit(model, case, ms)
 
 
+GRID_LAYOUTS = (("1024x8", [1024] * 8), ("2048x4", [2048] * 4), ("4096x8", [4096] * 8), ("8192x4", [8192] * 4),
+                ("1x2048", [2048]), ("1x8192", [8192]), ("1x32768", [32768]), ("28672+4096", [28672, 4096]))
+GRID_HEADS = ((2, 8), (4, 16), (8, 32), (16, 16), (16, 32), (16, 64), (32, 32))
+
+
+def graph_ms(fn):
+    """Median ms of one call of fn replayed from a CUDA graph (G calls per graph, about 3 ms a replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    eager = median_ms(fn, warm=1, reps=3)
+    calls = max(1, min(20, int(3.0 / max(eager, 1e-3))))
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(calls):
+            fn()
+    return median_ms(lambda: gr.replay(), warm=3, reps=25) / calls
+
+
+def grid(only, out):
+    """FLA's side of bench_cuda --grid: the forward of GDN, PGDN, KDA and PKDA on the same packed layouts and
+    head counts (cu_seqlens, bf16, K = V = 128, final state out), timed with and without CUDA graphs.
+    Rows `grid,model,layout,hqk,hv,ms_graph,ms_eager` (also written to `out`)."""
+    lines = ["model,layout,hqk,hv,ms_graph,ms_eager"]
+    print("grid,model,layout,hqk,hv,ms_graph,ms_eager", flush=True)
+    for m in ("gdn", "pgdn", "kda", "pkda"):
+        if only and m not in only:
+            continue
+        for name, lens in GRID_LAYOUTS:
+            for H, HV in GRID_HEADS:
+                T = sum(lens)
+                cu = torch.tensor([0] + list(itertools.accumulate(lens)), device=dev, dtype=torch.int32)
+                q, k, v, g, beta, g_atk, beta_atk, center = inputs(1, T, H, HV, 128, 128, diag=m in ("pkda", "kda"))
+                kw = dict(output_final_state=True, cu_seqlens=cu)
+                if m == "gdn":
+                    fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+                elif m == "pgdn":
+                    fn = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta,
+                                                                use_qk_l2norm_in_kernel=True, log_atk_scale=center,
+                                                                **kw)
+                elif m == "pkda":
+                    fn = lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale=center, **kw)
+                else:
+                    fn = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+                try:
+                    row = f"{m},{name},{H},{HV},{graph_ms(fn):.5f},{median_ms(fn, warm=3, reps=15):.5f}"
+                except Exception as e:  # one failing FLA kernel must not stop the grid
+                    row = f"{m},{name},{H},{HV},error: {type(e).__name__}: {str(e)[:120]},"
+                print("grid," + row, flush=True)
+                lines.append(row)
+                if out:
+                    with open(out, "w") as f:
+                        f.write("\n".join(lines) + "\n")
+                del q, k, v, g, beta, g_atk, beta_atk, center
+                torch.cuda.empty_cache()
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--grid":  # --grid [file] [models]
+        grid([x for x in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if x],
+             sys.argv[2] if len(sys.argv) > 2 else None)
+        return
     only = [x for x in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if x]  # e.g. "gdn,pgdn,decode"
     for m in ("gdn", "pgdn", "pkda", "kda"):
         if only and m not in only:
