@@ -127,6 +127,45 @@ double median_ms(F&& f, int warm = g_warm, int reps = g_reps) {
   return t[t.size() / 2];
 }
 
+/// Median time in ms of one call of `f(stream)` replayed from a CUDA graph: one eager call first (it sizes the
+/// workspace), then a graph of G calls (G so that a replay takes about a millisecond, 1 to `max_calls`) replayed
+/// 20 times after 5 warm-up replays; the median replay over G.
+template <class F>
+double graph_ms(F&& f, int max_calls = 20) {
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  f(s);
+  cudaEventRecord(e0, s);
+  for (int i = 0; i < 3; ++i) f(s);
+  cudaEventRecord(e1, s);
+  ck(cudaEventSynchronize(e1), "eager runs");
+  float eager;
+  cudaEventElapsedTime(&eager, e0, e1);
+  const int G = std::clamp(int(3.0f / std::max(eager, 1e-3f)), 1, max_calls);
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+  for (int i = 0; i < G; ++i) f(s);
+  ck(cudaStreamEndCapture(s, &g), "end capture");
+  ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  std::vector<float> t;
+  for (int i = 0; i < 25; ++i) {
+    cudaEventRecord(e0, s);
+    cudaGraphLaunch(ge, s);
+    cudaEventRecord(e1, s);
+    ck(cudaEventSynchronize(e1), "graph replay");
+    float m;
+    cudaEventElapsedTime(&m, e0, e1);
+    if (i >= 5) t.push_back(m / G);
+  }
+  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 /// All inputs of a model for [B, T] tokens, bf16 q/k/v/o, float32 gates and states.
 struct Problem {
   dgps::cuda::Params p;
@@ -267,76 +306,14 @@ void bench_decode(const char* model, int64_t B, int64_t H, int64_t HV, int64_t K
   ck(cudaDeviceSynchronize(), "decode");
   double ms;
   std::string name = "decode_B" + std::to_string(B) + "_HV" + std::to_string(HV);
-  if (graph) {
-    constexpr int kCalls = 100;
-    cudaStream_t s;
-    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-    for (int i = 0; i < kCalls; ++i) dgps::cuda::decode(p, ws, s);
-    ck(cudaStreamEndCapture(s, &g), "end capture");
-    ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    std::vector<float> t;
-    for (int i = 0; i < 25; ++i) {
-      cudaEventRecord(e0, s);
-      cudaGraphLaunch(ge, s);
-      cudaEventRecord(e1, s);
-      ck(cudaEventSynchronize(e1), "graph replay");
-      float m;
-      cudaEventElapsedTime(&m, e0, e1);
-      if (i >= 5) t.push_back(m / kCalls);
-    }
-    std::sort(t.begin(), t.end());
-    ms = t[t.size() / 2];
+  if (graph) {  // up to 100 calls per graph (a call takes a few microseconds)
+    ms = graph_ms([&](cudaStream_t s) { dgps::cuda::decode(p, ws, s); }, 100);
     name += "_graph";
-    cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
   } else {
     ms = median_ms([&] { dgps::cuda::decode(p, ws, nullptr); });
   }
   const double bytes = pr.in_bytes + 2.0 * B * HV * V + 8.0 * B * HV * K * V + (prec ? 8.0 * B * H * K : 0);
   emit({model, name, B, 1, H, HV, K, V, ms, bytes, 6.0 * K * V * HV * B, impl});
-}
-
-/// Median time in ms of one call of `f(stream)` replayed from a CUDA graph: one eager call first (it sizes the
-/// workspace), then a graph of G calls (G so that a replay takes about a millisecond, 1 to 20) replayed 25
-/// times after 3 warm-up replays; the median replay over G.
-template <class F>
-double graph_ms(F&& f) {
-  cudaStream_t s;
-  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0), cudaEventCreate(&e1);
-  f(s);
-  cudaEventRecord(e0, s);
-  for (int i = 0; i < 3; ++i) f(s);
-  cudaEventRecord(e1, s);
-  ck(cudaEventSynchronize(e1), "eager runs");
-  float eager;
-  cudaEventElapsedTime(&eager, e0, e1);
-  const int G = std::clamp(int(3.0f / std::max(eager, 1e-3f)), 1, 20);
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-  for (int i = 0; i < G; ++i) f(s);
-  ck(cudaStreamEndCapture(s, &g), "end capture");
-  ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-  std::vector<float> t;
-  for (int i = 0; i < 28; ++i) {
-    cudaEventRecord(e0, s);
-    cudaGraphLaunch(ge, s);
-    cudaEventRecord(e1, s);
-    ck(cudaEventSynchronize(e1), "graph replay");
-    float m;
-    cudaEventElapsedTime(&m, e0, e1);
-    if (i >= 3) t.push_back(m / G);
-  }
-  cudaGraphExecDestroy(ge), cudaGraphDestroy(g), cudaStreamDestroy(s);
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 /// One point of the plan grid: packed sequences of `lens` tokens (cu_seqlens), h_qk / h_v heads.

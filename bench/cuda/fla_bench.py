@@ -18,6 +18,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from graphs import graphed
+
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fla.ops.kda import chunk_kda
 from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule, fused_recurrent_precond_gated_delta_rule
@@ -149,18 +151,7 @@ def decode(model, B, H, HV, K=128, V=128, graph=False):
                                                               use_qk_l2norm_in_kernel=True, log_atk_scale=center)
     case = f"decode_B{B}_HV{HV}"
     if graph:
-        calls = 100
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(calls):
-                fn()
-        ms = median_ms(lambda: gr.replay(), warm=5, reps=20) / calls
+        ms = graph_ms(fn, max_calls=100)
         case += "_graph"
     else:
         ms = median_ms(fn)
@@ -172,21 +163,12 @@ GRID_LAYOUTS = (("1024x8", [1024] * 8), ("2048x4", [2048] * 4), ("4096x8", [4096
 GRID_HEADS = ((2, 8), (4, 16), (8, 32), (16, 16), (16, 32), (16, 64), (32, 32))
 
 
-def graph_ms(fn):
-    """Median ms of one call of fn replayed from a CUDA graph (G calls per graph, about 3 ms a replay)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+def graph_ms(fn, max_calls=20):
+    """Median ms of one call of fn replayed from a CUDA graph: G calls per graph (about 3 ms a replay, at most
+    max_calls), 20 replays after 5 warm-up ones."""
     eager = median_ms(fn, warm=1, reps=3)
-    calls = max(1, min(20, int(3.0 / max(eager, 1e-3))))
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(calls):
-            fn()
-    return median_ms(lambda: gr.replay(), warm=3, reps=25) / calls
+    calls = max(1, min(max_calls, int(3.0 / max(eager, 1e-3))))
+    return median_ms(graphed(fn, calls), warm=5, reps=20) / calls
 
 
 def grid(only, out):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dgps_torch
+from graphs import graphed
 
 dev = "cuda"
 
@@ -33,20 +34,6 @@ def median_ms(fn, warm=5, reps=20):
         e1.synchronize()
         ts.append(e0.elapsed_time(e1))
     return statistics.median(ts)
-
-
-def graphed(fn):
-    """fn captured once into a CUDA graph (after warm-up on a side stream); returns the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def call(lib, model, t):
