@@ -44,12 +44,6 @@ const testing::PlanOverride& choices() {
   return o ? *o : automatic;
 }
 
-int sm_count() {
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms;
-}
-
 /// The warp kernel's variant: one thread per column when the grid already fills the GPU (about 4 warps
 /// per SM), else 2 or 4 threads per column for more parallelism.
 void plan_warp(Plan& plan, const RecArgs& a, int sms) {

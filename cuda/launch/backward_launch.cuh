@@ -45,8 +45,7 @@ cudaError_t launch_state(const BwdArgs& b, cudaStream_t st) {
 template <class Tin, int KT>
 cudaError_t launch_backward_k(const BwdArgs& b, cudaStream_t st) {
   const RecArgs& a = b.a;
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = sm_count();
   const int64_t warps8 = int64_t(a.N) * a.HV * ((a.V + 7) / 8);
   const cudaError_t e = warps8 >= 8 * sms       ? launch_state<Tin, KT, 8>(b, st)
                         : 2 * warps8 >= 8 * sms ? launch_state<Tin, KT, 4>(b, st)

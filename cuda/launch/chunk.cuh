@@ -262,8 +262,7 @@ struct ChunkArgs {
   /// The split state pass (raw_v, few (sequence, value head) pairs, long sequences; split_segments):
   /// each sequence's chunks in segments of `seg_chunks` (the last may be shorter; `split` of them for
   /// equal lengths, at most `split` for packed sequences), so that one sequence's sequential pass runs
-  /// on several SMs. Each segment's state
-  /// map S -> A S + B is linear: pass 1 (state_wg_kernel with TR) runs every segment but the last from
+  /// on several SMs. Each segment's state map S -> A S + B is linear: pass 1 (state_wg_kernel with TR) runs every segment but the last from
   /// S = I with no values (giving A) and from S = 0 (giving B), `split_scan_kernel` chains the segments
   /// from h0 in float32, and pass 2 (the forward's state pass) runs every segment from its start state,
   /// writing o and, in the last segment, hT. 0 or 1: no split.
@@ -307,10 +306,10 @@ int state_value_tile(const RecArgs& a, int Vpad, bool forward);
 
 /// Segments per sequence of the split state pass (ChunkArgs::split) for a call with 128-column tiles
 /// and raw v rows: 0 (no split) unless the (sequence, value head) pairs leave three quarters of the SMs
-/// idle and the sequences are long (64 chunks at least); then segments of about
-/// (chunks x HV / SMs) chunks rounded up to a multiple of 16, so that pass 2 has about a block per SM. Packed sequences (cu_seqlens)
-/// get as many segments as the whole batch could need (T / 64 chunks); the blocks of shorter ones
-/// return at once. `forced`: 0 turns it off, n > 0 forces segments of n chunks wherever the split
+/// idle and the sequences are long (64 chunks at least); then segments of about (chunks x HV / SMs)
+/// chunks rounded up to a multiple of 16, so that pass 2 has about a block per SM. Packed sequences
+/// (cu_seqlens) get as many segments as the whole batch could need (T / 64 chunks); the blocks of
+/// shorter ones return at once. `forced`: 0 turns it off, n > 0 forces segments of n chunks wherever the split
 /// applies at all (the tests' plan override), negative leaves the automatic choice. Sets c.seg_chunks
 /// (the caller sets c.split).
 int split_segments(ChunkArgs& c, int64_t forced);

@@ -73,8 +73,7 @@ cudaError_t launch_bwd_all(const ChunkArgs& ca, const BwdArgs& bw, cudaStream_t 
   static const cudaError_t set_prep = allow_smem(bwd_prep_kernel<Tin, Op>, bwd_prep_smem_bytes());
   if (set_prep != cudaSuccess) return set_prep;
   bwd_prep_kernel<Tin, Op><<<tiles, kThreads, bwd_prep_smem_bytes(), stream>>>(ca, bw);
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = sm_count();
   const int64_t heads = int64_t(a.N) * a.HV;
   const size_t smem = chunk_max_smem();
   if (ca.Vpad == 128 && heads >= sms * 9 / 10 && bwd_rev_smem_bytes(128) <= smem)

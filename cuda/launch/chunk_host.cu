@@ -15,16 +15,6 @@ size_t chunk_max_smem() {
   return static_cast<size_t>(bytes);
 }
 
-namespace {
-
-int sm_count() {
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms;
-}
-
-}  // namespace
-
 int state_value_tile(const RecArgs& a, int Vpad, bool forward) {
   const int sms = sm_count();
   const int64_t heads = int64_t(a.N) * a.HV;

@@ -230,8 +230,8 @@ cudaError_t launch_intra(const ChunkArgs& c, dim3 grid, size_t bytes, cudaStream
 /// else as many as fit on the device at once (six per SM on Hopper: its two 16 KB buffers).
 int precond_sums_blocks(const void* kernel, int forced) {
   if (forced > 0) return forced;
-  int sms = 132, dev = 0, per = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int per = 0;
+  const int sms = sm_count();
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess) per = 1;
   return sms * std::max(per, 1);
 }

@@ -57,6 +57,13 @@ inline bool rowblock_vectorizable(const RecArgs& a) {
          a.sh0[2] % 4 == 0 && a.shT[0] % 4 == 0 && a.shT[1] % 4 == 0 && a.shT[2] % 4 == 0;
 }
 
+/// The current device's number of SMs (132, an H100's or H200's, where it cannot be read).
+inline int sm_count() {
+  int sms = 132, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
 /// True when the current device runs the sm_90a build of the kernels (Hopper), the one compiled with
 /// grid_dependency_sync and the cluster barrier. Other GPUs run the portable build (PTX for sm_80,
 /// where both are no-ops), so the launches must not ask for dependent scheduling or clusters there.
