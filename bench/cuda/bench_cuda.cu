@@ -369,19 +369,20 @@ void bench_grid(const std::string& only, FILE* csv, bool auto_only) {
           pt::PlanOverride o;
         };
         std::vector<Variant> vs{{"auto", {}}};
-        for (int vt : {128, 64, 32, 16}) {
-          if (auto_only) break;
-          pt::PlanOverride o;
-          o.state_vt = vt, o.split_chunks = 0;
-          vs.push_back({"v" + std::to_string(vt), o});
-        }
-        const int64_t chunks = (longest + 63) / 64;
-        for (int64_t seg : {16, 32, 64, 128, 256}) {
-          const int64_t segs = (chunks + seg - 1) / seg;
-          if (segs < 2 || segs > 64 || auto_only) continue;
-          pt::PlanOverride o;
-          o.split_chunks = seg;
-          vs.push_back({"s" + std::to_string(seg), o});
+        if (!auto_only) {
+          for (int vt : {128, 64, 32, 16}) {
+            pt::PlanOverride o;
+            o.state_vt = vt, o.split_chunks = 0;
+            vs.push_back({"v" + std::to_string(vt), o});
+          }
+          const int64_t chunks = (longest + 63) / 64;
+          for (int64_t seg : {16, 32, 64, 128, 256}) {
+            const int64_t segs = (chunks + seg - 1) / seg;
+            if (segs < 2 || segs > 64) continue;
+            pt::PlanOverride o;
+            o.split_chunks = seg;
+            vs.push_back({"s" + std::to_string(seg), o});
+          }
         }
         double auto_ms = 0, best_ms = 1e30;
         std::string best, auto_impl;

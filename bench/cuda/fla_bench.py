@@ -71,19 +71,23 @@ def inputs(B, T, H, HV, K, V, diag=False):
     return q, k, v, g, beta, g_atk, beta_atk, center
 
 
-def forward(model, B, T, H, K=128, V=128):
-    q, k, v, g, beta, g_atk, beta_atk, center = inputs(B, T, H, H, K, V, diag=model in ("pkda", "kda"))
+def chunk_fn(model, t, **kw):
+    """The call of FLA's chunk function of `model` on the tensors t of inputs() (l2 norm in the kernel where the
+    function takes it), with the keywords kw; returns a closure running it."""
+    q, k, v, g, beta, g_atk, beta_atk, center = t
     if model == "gdn":
-        fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    elif model == "pgdn":
-        fn = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=True, log_atk_scale=center)
-    elif model == "pkda":
-        fn = lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, output_final_state=True,
-                                       log_atk_scale=center)
-    else:
-        fn = lambda: chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    emit(model, f"fwd_B{B}_T{T}_H{H}", median_ms(fn))
+        return lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+    if model == "pgdn":
+        return lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, use_qk_l2norm_in_kernel=True,
+                                                      log_atk_scale=center, **kw)
+    if model == "pkda":
+        return lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale=center, **kw)
+    return lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+
+
+def forward(model, B, T, H, K=128, V=128):
+    t = inputs(B, T, H, H, K, V, diag=model in ("pkda", "kda"))
+    emit(model, f"fwd_B{B}_T{T}_H{H}", median_ms(chunk_fn(model, t, output_final_state=True)))
 
 
 def allow_hopper_gated_backward():
@@ -98,25 +102,18 @@ def allow_hopper_gated_backward():
 
 def training(model, B, T, H, K=128, V=128):
     """Forward + backward of o = model(...) with the gradient of sum(o * do) for every input, and backward alone."""
-    q, k, v, g, beta, g_atk, beta_atk, center = inputs(B, T, H, H, K, V, diag=model in ("pkda", "kda"))
-    leaves = [t.requires_grad_() for t in (q, k, v, g, beta, g_atk, beta_atk, center)]
-    do = torch.randn_like(v)
-    if model == "gdn":
+    t = inputs(B, T, H, H, K, V, diag=model in ("pkda", "kda"))
+    leaves = [x.requires_grad_() for x in t]
+    if model in ("gdn", "kda"):  # (no preconditioner inputs)
         leaves = leaves[:5]
-        fwd = lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
-    elif model == "kda":
-        leaves = leaves[:5]
-        fwd = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
-    elif model == "pgdn":
-        fwd = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, use_qk_l2norm_in_kernel=True,
-                                                     log_atk_scale=center)[0]
-    else:
-        fwd = lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale=center)[0]
+    do = torch.randn_like(t[2])
+    call = chunk_fn(model, t)
+    fwd = lambda: call()[0]
 
     def clear():
         """Drops the gradients of the previous step (so none are accumulated)."""
-        for t in leaves:
-            t.grad = None
+        for x in leaves:
+            x.grad = None
 
     def step():
         """One training step's recurrence: forward, then backward from do."""
@@ -184,18 +181,8 @@ def grid(only, out):
             for H, HV in GRID_HEADS:
                 T = sum(lens)
                 cu = torch.tensor([0] + list(itertools.accumulate(lens)), device=dev, dtype=torch.int32)
-                q, k, v, g, beta, g_atk, beta_atk, center = inputs(1, T, H, HV, 128, 128, diag=m in ("pkda", "kda"))
-                kw = dict(output_final_state=True, cu_seqlens=cu)
-                if m == "gdn":
-                    fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
-                elif m == "pgdn":
-                    fn = lambda: chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta,
-                                                                use_qk_l2norm_in_kernel=True, log_atk_scale=center,
-                                                                **kw)
-                elif m == "pkda":
-                    fn = lambda: chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale=center, **kw)
-                else:
-                    fn = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+                t = inputs(1, T, H, HV, 128, 128, diag=m in ("pkda", "kda"))
+                fn = chunk_fn(m, t, output_final_state=True, cu_seqlens=cu)
                 try:
                     row = f"{m},{name},{H},{HV},{graph_ms(fn):.5f},{median_ms(fn, warm=3, reps=15):.5f}"
                 except Exception as e:  # one failing FLA kernel must not stop the grid
@@ -205,7 +192,7 @@ def grid(only, out):
                 if out:
                     with open(out, "w") as f:
                         f.write("\n".join(lines) + "\n")
-                del q, k, v, g, beta, g_atk, beta_atk, center
+                del t, fn
                 torch.cuda.empty_cache()
 
 
