@@ -159,12 +159,14 @@ void check_model(const char* label) {
     INFO(label << " split into " << lens.size() << " ranks, first " << lens[0]);
     const auto [fd, gd] = run_split<R, double>(c, lens, ref);
     const auto [ff, gf] = run_split<R, float>(c, lens, cpu);
-    for (const auto& [n, v] : f64) {
+    for (const auto& [name, v] : f64) {
+      const std::string n = name;  // a structured binding cannot be captured by INFO (Clang 14)
       INFO(n);
       CHECK(rel_err(fd.at(n), v) < 1e-10);
       CHECK(rel_err(ff.at(n), f32.at(n)) < 2e-5);
     }
-    for (const auto& [n, v] : g64) {
+    for (const auto& [name, v] : g64) {
+      const std::string n = name;
       INFO("gradient " << n);
       CHECK(rel_err(gd.at(n), v) < 1e-10);
       CHECK(rel_err(gf.at(n), g32.at(n)) < 2e-5);
