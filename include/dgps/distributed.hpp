@@ -159,6 +159,59 @@ Problem<T> agree(Communicator& comm, const char* call, Check&& check) {
   return p;
 }
 
+/// Rows of the corrections, taken kBlockRows at a time so each row of the K x V matrix is read once per block.
+inline constexpr int64_t kBlockRows = 8;
+
+/// y_t = x_t[0, V) + x_t[V, V + K) M for the rows t of `x` (the widened outputs [o | p]): M [K, V] contiguous,
+/// `rows(t)` gives row t of x and `out(t)` row t of y; accumulated in S (float for 16-bit and float inputs).
+template <class S, class T, class Row, class Out>
+void widened_readout(int64_t rows, int64_t K, int64_t V, const S* M, Row row, Out out) {
+  std::vector<S> acc(static_cast<size_t>(kBlockRows * V));
+  const T* x[kBlockRows];
+  for (int64_t t0 = 0; t0 < rows; t0 += kBlockRows) {
+    const int64_t nb = std::min(kBlockRows, rows - t0);
+    for (int64_t i = 0; i < nb; ++i) {
+      x[i] = row(t0 + i);
+      for (int64_t v = 0; v < V; ++v) acc[static_cast<size_t>(i * V + v)] = S(x[i][v]);
+    }
+    for (int64_t c = 0; c < K; ++c) {
+      const S* m = M + c * V;
+      for (int64_t i = 0; i < nb; ++i) {
+        const S pc = S(x[i][V + c]);
+        if (pc == S(0)) continue;
+        S* a = acc.data() + i * V;
+        for (int64_t v = 0; v < V; ++v) a[v] += pc * m[v];
+      }
+    }
+    for (int64_t i = 0; i < nb; ++i) {
+      auto* y = out(t0 + i);
+      for (int64_t v = 0; v < V; ++v) y[v] = static_cast<std::remove_reference_t<decltype(*y)>>(acc[static_cast<size_t>(i * V + v)]);
+    }
+  }
+}
+
+/// C [K, V] = sum_t p_t d_t^T over the rows t: p_t = x_t[V, V + K) of the widened outputs (`row(t)`), d_t the
+/// output cotangent's row (`drow(t)`, V entries); accumulated in S.
+template <class S, class T, class Row, class DRow>
+void widened_cotangent(int64_t rows, int64_t K, int64_t V, Row row, DRow drow, S* C) {
+  std::fill(C, C + K * V, S(0));
+  const T* x[kBlockRows];
+  const T* d[kBlockRows];
+  for (int64_t t0 = 0; t0 < rows; t0 += kBlockRows) {
+    const int64_t nb = std::min(kBlockRows, rows - t0);
+    for (int64_t i = 0; i < nb; ++i) x[i] = row(t0 + i), d[i] = drow(t0 + i);
+    for (int64_t k = 0; k < K; ++k) {
+      S* c = C + k * V;
+      for (int64_t i = 0; i < nb; ++i) {
+        const S pk = S(x[i][V + k]);
+        if (pk == S(0)) continue;
+        const T* di = d[i];
+        for (int64_t v = 0; v < V; ++v) c[v] += pk * S(di[v]);
+      }
+    }
+  }
+}
+
 /// A contiguous 4-d view of a vector.
 template <class U>
 TensorView<U> view4(std::vector<std::remove_const_t<U>>& v, int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -377,21 +430,13 @@ RunInfo forward(Communicator& comm, const Inputs<T>& in, const Outputs<T>& out, 
   RunInfo ran;
   auto seg = detail::forward_phase<R, T>(comm, p, opt, ran, &p.o);
   const int64_t N = p.B, HV = p.HV, K = p.K, V = p.V, W = V + K, Tn = p.T_;
-  if (seg.r > 0) {  // o = o(0) + S_in^T p_t
-    std::vector<double> acc(static_cast<size_t>(V));
+  if (seg.r > 0)  // o = o(0) + S_in^T p_t
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t t = 0; t < Tn; ++t)
-        for (int64_t hv = 0; hv < HV; ++hv) {
-          const T* oa = &seg.o_aug[static_cast<size_t>(((n * Tn + t) * HV + hv) * W)];
-          const S* si = &seg.s_in[static_cast<size_t>((n * HV + hv) * K * V)];
-          for (int64_t v = 0; v < V; ++v) acc[static_cast<size_t>(v)] = double(oa[v]);
-          for (int64_t c = 0; c < K; ++c) {
-            const double pc = double(oa[V + c]);
-            for (int64_t v = 0; v < V; ++v) acc[static_cast<size_t>(v)] += pc * double(si[c * V + v]);
-          }
-          for (int64_t v = 0; v < V; ++v) p.o(n, t, hv, v) = T(acc[static_cast<size_t>(v)]);
-        }
-  }
+      for (int64_t hv = 0; hv < HV; ++hv)
+        detail::widened_readout<S, T>(
+            Tn, K, V, &seg.s_in[static_cast<size_t>((n * HV + hv) * K * V)],
+            [&](int64_t t) { return &seg.o_aug[static_cast<size_t>(((n * Tn + t) * HV + hv) * W)]; },
+            [&](int64_t t) { return &p.o(n, t, hv, 0); });
   if (p.hT.data) {
     std::vector<S> st(static_cast<size_t>(N * HV * K * V), S(0));
     for (int j = 0; j < seg.R; ++j) seg.apply(j, st);
@@ -438,22 +483,12 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
   // c_r = sum_t p_t do_t^T (ranks > 0), gathered; the cotangent of this segment's final state by the
   // reverse fold dS <- M_j^T dS + c_j over ranks R-1 .. r+1, starting from dhT.
   std::vector<S> c(static_cast<size_t>(N * HV * K * V), S(0));
-  if (r > 0) {
-    std::vector<double> acc(static_cast<size_t>(K * V));
+  if (r > 0)
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t hv = 0; hv < HV; ++hv) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t t = 0; t < Tn; ++t) {
-          const T* oa = &seg.o_aug[static_cast<size_t>(((n * Tn + t) * HV + hv) * W)];
-          for (int64_t k = 0; k < K; ++k) {
-            const double pk = double(oa[V + k]);
-            if (pk == 0) continue;
-            for (int64_t v = 0; v < V; ++v) acc[static_cast<size_t>(k * V + v)] += pk * double(p.d_o(n, t, hv, v));
-          }
-        }
-        std::copy(acc.begin(), acc.end(), &c[static_cast<size_t>((n * HV + hv) * K * V)]);
-      }
-  }
+      for (int64_t hv = 0; hv < HV; ++hv)
+        detail::widened_cotangent<S, T>(
+            Tn, K, V, [&](int64_t t) { return &seg.o_aug[static_cast<size_t>(((n * Tn + t) * HV + hv) * W)]; },
+            [&](int64_t t) { return &p.d_o(n, t, hv, 0); }, &c[static_cast<size_t>((n * HV + hv) * K * V)]);
   std::vector<S> c_all(c.size() * static_cast<size_t>(Rn));
   comm.all_gather(c.data(), c.size() * sizeof(S), c_all.data());
   // dhT is read on the last rank only: every rank gathers it from there.
