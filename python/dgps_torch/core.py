@@ -1,4 +1,6 @@
 """dgps_torch.recurrence: any DGPS recurrence (SPEC §2) on PyTorch tensors, with autograd."""
+import warnings
+
 import torch
 
 from ._ops import Recurrence, _last_contiguous
@@ -34,6 +36,74 @@ def _compute_dtypes(q, k, v, gates):
     return wide, wide
 
 
+# dgps::cuda takes key_dim <= 128 (cuda/api.cu).
+CUDA_MAX_KEY_DIM = 128
+_NAMED_AXES = {"la": ("none", "unit", "identity", "offline"), "mamba2": ("scalar", "scalar", "identity", "offline"),
+               "gla": ("diagonal", "unit", "identity", "offline")}
+
+
+def key_separable(model):
+    """True when the state's key rows evolve independently (no preconditioner, no delta-rule solve: la, mamba2,
+    gla, simple GLA): o = sum over key blocks of each block's output, so any key_dim splits into blocks."""
+    m = model_string(model)
+    axes = tuple(m.split(",")) if "," in m else _NAMED_AXES.get(m)
+    return axes is not None and len(axes) == 4 and axes[2] == "identity" and axes[3] == "offline"
+
+
+def cuda_route(model, key_dim, backend="automatic"):
+    """How a CUDA call runs: "direct" (dgps::cuda), "split" (key blocks of <= CUDA_MAX_KEY_DIM columns, each on
+    dgps::cuda, outputs summed; key-separable models) or "host" (the CPU backend, tensors copied there and back:
+    the delta-rule models past CUDA_MAX_KEY_DIM). An explicit backend="cuda" always runs "direct" (and raises
+    past the limit)."""
+    if key_dim <= CUDA_MAX_KEY_DIM or backend != "automatic":
+        return "direct"
+    return "split" if key_separable(model) else "host"
+
+
+def _l2norm(x):
+    """SPEC §1's x / sqrt(sum(x^2) + 1e-6) per head, in float32 (float64 for float64), back in x's dtype."""
+    w = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return (w * torch.rsqrt((w * w).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def split_keys(model, block, q, k, v, g=None, beta=None, initial_state=None, scale=None, output_final_state=False,
+               l2norm_qk=True, cu_seqlens=None, backend="automatic", chunk_size=64, **unused):
+    """A key-separable model (key_separable) as calls on key blocks of at most `block` columns: q and k
+    normalised over the whole key_dim first, the scale of the whole key_dim, per-channel gates and the initial
+    state sliced with the block, outputs summed (in float32) and final states concatenated. Same results as
+    one call, up to the outputs' rounding; differentiable like it."""
+    m = model_string(model)
+    if not key_separable(m):
+        raise ValueError(f"dgps: split_keys needs a key-separable model (la, mamba2, gla, ...), got {m!r}")
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    if l2norm_qk:
+        q, k = _l2norm(q), _l2norm(k)
+    per_channel = g is not None and g.dim() == 4
+    o_sum, states = None, []
+    for c0 in range(0, K, block):
+        sl = slice(c0, min(K, c0 + block))
+        o, hT, _ = _recurrence(m, q[..., sl], k[..., sl], v, g=g[..., sl] if per_channel else g, beta=beta,
+                               initial_state=None if initial_state is None else initial_state[:, :, sl],
+                               scale=scale, output_final_state=output_final_state, l2norm_qk=False,
+                               cu_seqlens=cu_seqlens, backend=backend, chunk_size=chunk_size)
+        o = o.to(torch.float64 if o.dtype == torch.float64 else torch.float32)
+        o_sum = o if o_sum is None else o_sum + o
+        states.append(hT)
+    o = o_sum.to(q.dtype)
+    return o, (torch.cat(states, dim=2) if output_final_state else None), None
+
+
+def _on_host(model, args):
+    """The call on the CPU backend (dgps's CPU kernels take any key_dim), tensors copied there and back."""
+    dev = args["q"].device
+    warnings.warn(f"dgps: dgps::cuda takes key_dim <= {CUDA_MAX_KEY_DIM}; {model_string(model)} with key_dim "
+                  f"{args['q'].shape[-1]} runs on the CPU backend (tensors copied to the host and back)", stacklevel=3)
+    host = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    out = _recurrence(model, **host)
+    return tuple(None if t is None else t.to(dev) for t in out)
+
+
 def recurrence(model, q, k, v, g=None, beta=None, g_p=None, beta_p=None, center=None, initial_state=None,
                initial_A_state=None, scale=None, output_final_state=False, l2norm_qk=True, x=1.5, eps=1e-6,
                lamb=1.0, cu_seqlens=None, backend="automatic", chunk_size=64):
@@ -45,8 +115,26 @@ def recurrence(model, q, k, v, g=None, beta=None, g_p=None, beta_p=None, center=
     initial_state [N,HV,K,V]; initial_A_state [N,H,K] (diagonal) or [N,H,K,K] (exact); cu_seqlens int64 [N+1]
     with B = 1. dgps's defaults (l2norm_qk=True). Returns (o [B,T,HV,V] in q's dtype, hT, aT); hT and aT are
     None unless output_final_state (aT also None without a preconditioner). Tensors whose last dimension is
-    contiguous are passed without copies; mixed dtypes on the CPU are computed in the wider one.
+    contiguous are passed without copies; mixed dtypes on the CPU are computed in the wider one. On CUDA past
+    key_dim 128 (what dgps::cuda takes), key-separable models run as key blocks on the GPU and the others on
+    the CPU backend, with a warning (cuda_route); backend="cuda" raises there instead.
     """
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, g_p=g_p, beta_p=beta_p, center=center, initial_state=initial_state,
+                initial_A_state=initial_A_state, scale=scale, output_final_state=output_final_state,
+                l2norm_qk=l2norm_qk, x=x, eps=eps, lamb=lamb, cu_seqlens=cu_seqlens, backend=backend,
+                chunk_size=chunk_size)
+    route = cuda_route(model, q.shape[-1], backend) if q.device.type == "cuda" else "direct"
+    if route == "split":
+        return split_keys(model, CUDA_MAX_KEY_DIM, **args)
+    if route == "host":
+        return _on_host(model, args)
+    return _recurrence(model, **args)
+
+
+def _recurrence(model, q, k, v, g=None, beta=None, g_p=None, beta_p=None, center=None, initial_state=None,
+                initial_A_state=None, scale=None, output_final_state=False, l2norm_qk=True, x=1.5, eps=1e-6,
+                lamb=1.0, cu_seqlens=None, backend="automatic", chunk_size=64):
+    """One operator call (recurrence's arguments)."""
     m = model_string(model)
     out_dtype = q.dtype
     qd, gd = _compute_dtypes(q, k, v, (g, beta, g_p, beta_p, center))
