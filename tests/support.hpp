@@ -368,47 +368,58 @@ Arrays run_forward(const Case& c, dgps::Options opt) {
   return r;
 }
 
+/// Gradient buffers of case `c`, NaN-filled (a gradient left unwritten shows): a view in `g` for every input
+/// present, dh0 and, with a preconditioner state, da0. The views point into the maps: not copyable.
+template <class T>
+struct GradBuffers {
+  using S = dgps::state_t<T>;
+  std::map<std::string, std::vector<T>> gt;  ///< "dq", "dk", ... (the inputs' types)
+  std::map<std::string, std::vector<S>> gs;  ///< "dh0", "da0" (the state type)
+  dgps::Grads<T> g;
+
+  explicit GradBuffers(const Case& c) {
+    auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
+      if (!c.has(name)) return;
+      auto& buf = gt["d" + name];
+      buf.assign(c.arr.at(name).size(), T(NAN));
+      dst = tv<T>(buf, c.shapes.at(name));
+    };
+    want("q", g.dq), want("k", g.dk), want("v", g.dv), want("g", g.dg), want("beta", g.dbeta);
+    want("g_p", g.dg_p), want("beta_p", g.dbeta_p), want("center", g.dcenter);
+    const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
+    gs["dh0"].assign(static_cast<size_t>(c.N * HV * K * V), S(NAN));
+    g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
+    if (has_precond_state(c.spec)) {
+      const auto ad = precond_state_dims(c.spec, c.N, H, K);
+      gs["da0"].assign(static_cast<size_t>(product(ad)), S(NAN));
+      g.da0 = tv<S>(gs["da0"], ad);
+    }
+  }
+  GradBuffers(const GradBuffers&) = delete;
+  GradBuffers& operator=(const GradBuffers&) = delete;
+
+  /// Every gradient as a double array, by name.
+  Arrays arrays() const {
+    Arrays r;
+    for (const auto& [n, v] : gt) r[n] = std::vector<double>(v.begin(), v.end());
+    for (const auto& [n, v] : gs) r[n] = std::vector<double>(v.begin(), v.end());
+    return r;
+  }
+};
+
 /// Backward of case `c` (cotangents `do` and, when present, `dhT`, `daT`): every gradient of the
 /// inputs present, plus dh0 and (with a preconditioner) da0. Model R, or dgps::dynamic when void.
 template <class T, class R = void>
 Arrays run_backward(const Case& c, dgps::Options opt) {
-  using S = dgps::state_t<T>;
   CaseTensors<T> ct(c);
-  std::map<std::string, std::vector<T>> gt;
-  std::map<std::string, std::vector<S>> gs;
-  dgps::Grads<T> g;
-  auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
-    if (!c.has(name)) return;
-    auto& buf = gt["d" + name];
-    buf.assign(c.arr.at(name).size(), T(NAN));
-    dst = tv<T>(buf, c.shapes.at(name));
-  };
-  want("q", g.dq);
-  want("k", g.dk);
-  want("v", g.dv);
-  want("g", g.dg);
-  want("beta", g.dbeta);
-  want("g_p", g.dg_p);
-  want("beta_p", g.dbeta_p);
-  want("center", g.dcenter);
-  const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
-  gs["dh0"].assign(static_cast<size_t>(c.N * HV * K * V), S(NAN));
-  g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
-  if (has_precond_state(c.spec)) {
-    const auto ad = precond_state_dims(c.spec, c.N, H, K);
-    gs["da0"].assign(static_cast<size_t>(product(ad)), S(NAN));
-    g.da0 = tv<S>(gs["da0"], ad);
-  }
+  GradBuffers<T> gb(c);
   auto in = ct.inputs(c);
   auto gi = dgps::grads_in<T>(ct.p("do"), ct.ps("dhT"), ct.ps("daT"));
   if constexpr (std::is_void_v<R>)
-    dgps::dynamic::backward(c.spec, in, gi, g, opt);
+    dgps::dynamic::backward(c.spec, in, gi, gb.g, opt);
   else
-    dgps::backward<R>(in, gi, g, opt);
-  Arrays r;
-  for (auto& [n, v] : gt) r[n] = std::vector<double>(v.begin(), v.end());
-  for (auto& [n, v] : gs) r[n] = std::vector<double>(v.begin(), v.end());
-  return r;
+    dgps::backward<R>(in, gi, gb.g, opt);
+  return gb.arrays();
 }
 
 /// The scalar loss of SPEC §3.8 for forward results `f`: sum(o*do) + sum(hT*dhT) + sum(aT*daT).

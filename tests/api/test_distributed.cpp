@@ -75,28 +75,13 @@ std::pair<Arrays, Arrays> run_split(const Case& c, const std::vector<int64_t>& l
         if (!aT.empty()) f["aT"] = std::vector<double>(aT.begin(), aT.end());
         fwd[static_cast<size_t>(r)] = std::move(f);
 
-        std::map<std::string, std::vector<T>> gt;
-        std::map<std::string, std::vector<S>> gs;
-        dgps::Grads<T> g;
-        auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
-          if (!s.has(name)) return;
-          auto& buf = gt["d" + name];
-          buf.assign(s.arr.at(name).size(), T(NAN));
-          dst = tv<T>(buf, s.shapes.at(name));
-        };
-        want("q", g.dq), want("k", g.dk), want("v", g.dv), want("g", g.dg), want("beta", g.dbeta);
-        want("g_p", g.dg_p), want("beta_p", g.dbeta_p), want("center", g.dcenter);
-        gs["dh0"].assign(static_cast<size_t>(c.N * HV * K * V), S(NAN));
-        g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
-        if (!adims.empty()) {
-          gs["da0"].assign(static_cast<size_t>(product(adims)), S(NAN));
-          g.da0 = tv<S>(gs["da0"], adims);
-        }
+        GradBuffers<T> gb(s);
         auto gi = dgps::grads_in<T>(ct.p("do"), ct.ps("dhT"), ct.ps("daT"));
-        dgps::distributed::backward<R>(comm, in, gi, g, opt);
-        Arrays d;
-        for (auto& [n, v] : gt) d[n] = L == 0 && n != "dcenter" ? std::vector<double>{} : std::vector<double>(v.begin(), v.end());
-        for (auto& [n, v] : gs) d[n] = std::vector<double>(v.begin(), v.end());
+        dgps::distributed::backward<R>(comm, in, gi, gb.g, opt);
+        Arrays d = gb.arrays();
+        if (L == 0)  // an empty segment's token gradients are its one-element dummies
+          for (auto& [n, v] : d)
+            if (n != "dcenter" && n != "dh0" && n != "da0") v.clear();
         bwd[static_cast<size_t>(r)] = std::move(d);
       } catch (...) {
         err[static_cast<size_t>(r)] = std::current_exception();

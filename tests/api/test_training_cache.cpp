@@ -33,33 +33,15 @@ dgps::Options chunkwise(int64_t chunk) {
 /// Tensors of a case and its gradient buffers, owned together so that a forward and a backward see the
 /// same input addresses (as the cache requires).
 template <class T>
-struct Bench {
+struct Bench : GradBuffers<T> {
   using S = dgps::state_t<T>;
   const Case& c;
   CaseTensors<T> ct;
-  std::map<std::string, std::vector<T>> gt;
-  std::map<std::string, std::vector<S>> gs;
-  dgps::Grads<T> g;
   std::vector<T> o;
   std::vector<S> hT, aT;
 
-  explicit Bench(const Case& cc) : c(cc), ct(cc) {
-    auto want = [&](const std::string& name, dgps::TensorView<T>& dst) {
-      if (!c.has(name)) return;
-      auto& buf = gt["d" + name];
-      buf.assign(c.arr.at(name).size(), T(NAN));
-      dst = tv<T>(buf, c.shapes.at(name));
-    };
-    want("q", g.dq), want("k", g.dk), want("v", g.dv), want("g", g.dg), want("beta", g.dbeta);
-    want("g_p", g.dg_p), want("beta_p", g.dbeta_p), want("center", g.dcenter);
+  explicit Bench(const Case& cc) : GradBuffers<T>(cc), c(cc), ct(cc) {
     const int64_t HV = c.shape.v_heads, K = c.shape.key_dim, V = c.shape.value_dim, H = c.shape.heads;
-    gs["dh0"].assign(size_t(c.N * HV * K * V), S(NAN));
-    g.dh0 = tv<S>(gs["dh0"], {c.N, HV, K, V});
-    if (has_precond_state(c.spec)) {
-      const auto ad = precond_state_dims(c.spec, c.N, H, K);
-      gs["da0"].assign(size_t(product(ad)), S(NAN));
-      g.da0 = tv<S>(gs["da0"], ad);
-    }
     o.assign(std::max<size_t>(size_t(c.shape.batch * c.shape.time * HV * V), 1), T(0));
     hT.assign(size_t(c.N * HV * K * V), S(0));
     const auto adims = precond_state_dims(c.spec, c.N, H, K);
@@ -76,11 +58,8 @@ struct Bench {
   Arrays backward(const dgps::Options& opt, const dgps::TrainingCache* cache) {
     auto gi = dgps::grads_in<T>(ct.p("do"), ct.ps("dhT"), ct.ps("daT"));
     if (cache) gi.use_saved(*cache);
-    dgps::dynamic::backward(c.spec, in(), gi, g, opt);
-    Arrays r;
-    for (auto& [n, v] : gt) r[n] = std::vector<double>(v.begin(), v.end());
-    for (auto& [n, v] : gs) r[n] = std::vector<double>(v.begin(), v.end());
-    return r;
+    dgps::dynamic::backward(c.spec, in(), gi, this->g, opt);
+    return this->arrays();
   }
 };
 
