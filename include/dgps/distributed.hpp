@@ -212,6 +212,15 @@ void widened_cotangent(int64_t rows, int64_t K, int64_t V, Row row, DRow drow, S
   }
 }
 
+/// What the split cannot take, whatever the pass: packed batches and the models without a chunkwise form.
+template <class R, class T>
+void check_splittable(const Inputs<T>& in) {
+  if (in.cu_seqlens.data) throw Error("cu_seqlens: packed batches are not supported by the distributed calls");
+  if (!chunkwise_covers(spec_of<R>()))
+    throw Error(std::string("no distributed algorithm for ") + to_string(spec_of<R>()) +
+                " (the exact preconditioners run token by token)");
+}
+
 /// A contiguous 4-d view of a vector.
 template <class U>
 TensorView<U> view4(std::vector<std::remove_const_t<U>>& v, int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -418,10 +427,7 @@ template <class R, class T>
 RunInfo forward(Communicator& comm, const Inputs<T>& in, const Outputs<T>& out, const Options& opt = {}) {
   using S = state_t<T>;
   const auto p = detail::agree<R, T>(comm, "forward", [&] {
-    if (in.cu_seqlens.data) throw Error("cu_seqlens: packed batches are not supported by the distributed calls");
-    if (!chunkwise_covers(spec_of<R>()))
-      throw Error(std::string("no distributed algorithm for ") + to_string(spec_of<R>()) +
-                  " (the exact preconditioners run token by token)");
+    detail::check_splittable<R>(in);
     if (out.cache) throw Error("save_for_backward: the distributed forward fills no training cache");
     auto prob = dgps::detail::check_forward<R>(in, out, opt);
     if (comm.rank() != 0) prob.h0 = {}, prob.a0 = {};
@@ -465,10 +471,7 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
                  const Options& opt = {}) {
   using S = state_t<T>;
   const auto p = detail::agree<R, T>(comm, "backward", [&] {
-    if (in.cu_seqlens.data) throw Error("cu_seqlens: packed batches are not supported by the distributed calls");
-    if (!chunkwise_covers(spec_of<R>()))
-      throw Error(std::string("no distributed algorithm for ") + to_string(spec_of<R>()) +
-                  " (the exact preconditioners run token by token)");
+    detail::check_splittable<R>(in);
     if (gin.cache) throw Error("use_saved: the distributed backward reads no training cache");
     auto prob = dgps::detail::check_backward<R>(in, gin, grads, opt);
     if (comm.rank() != 0) prob.h0 = {}, prob.a0 = {};
