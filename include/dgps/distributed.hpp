@@ -62,8 +62,7 @@ class ThreadGroup {
   /// Rank r's communicator (0 <= r < size()).
   Communicator& member(int r) {
     if (r < 0 || r >= size())
-      throw Error("distributed::ThreadGroup: member " + std::to_string(r) + " of a group of " +
-                  std::to_string(size()));
+      throw Error("distributed::ThreadGroup: member " + std::to_string(r) + " of a group of " + std::to_string(size()));
     return *members_[static_cast<size_t>(r)];
   }
   /// The number of members.
@@ -80,7 +79,9 @@ class ThreadGroup {
       g.posted_[static_cast<size_t>(r)] = send;
       g.arrive();  // every send buffer is posted
       for (int j = 0; j < g.size(); ++j)
-        if (bytes) std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(j) * bytes, g.posted_[static_cast<size_t>(j)], bytes);
+        if (bytes)
+          std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(j) * bytes, g.posted_[static_cast<size_t>(j)],
+                      bytes);
       g.arrive();  // every member has copied: the send buffers may change
     }
   };
@@ -144,7 +145,8 @@ Problem<T> agree(Communicator& comm, const char* call, Check&& check) {
   comm.all_gather(&st, sizeof(Status), all.data());
   const std::string who = std::string("distributed::") + call + ": ";
   for (int j = 0; j < R_; ++j)
-    if (!all[static_cast<size_t>(j)].ok) throw Error(who + "rank " + std::to_string(j) + ": " + all[static_cast<size_t>(j)].what);
+    if (!all[static_cast<size_t>(j)].ok)
+      throw Error(who + "rank " + std::to_string(j) + ": " + all[static_cast<size_t>(j)].what);
   for (int j = 0; j < R_; ++j) {
     const Status& a = all[static_cast<size_t>(j)];
     if (a.spec != all[0].spec || a.elem != all[0].elem)
@@ -153,8 +155,8 @@ Problem<T> agree(Communicator& comm, const char* call, Check&& check) {
       throw Error(who + "rank " + std::to_string(j) + "'s sizes [B, H, HV, K, V] = [" + std::to_string(a.B) + ", " +
                   std::to_string(a.H) + ", " + std::to_string(a.HV) + ", " + std::to_string(a.K) + ", " +
                   std::to_string(a.V) + "] differ from rank 0's [" + std::to_string(all[0].B) + ", " +
-                  std::to_string(all[0].H) + ", " + std::to_string(all[0].HV) + ", " + std::to_string(all[0].K) +
-                  ", " + std::to_string(all[0].V) + "]");
+                  std::to_string(all[0].H) + ", " + std::to_string(all[0].HV) + ", " + std::to_string(all[0].K) + ", " +
+                  std::to_string(all[0].V) + "]");
   }
   return p;
 }
@@ -163,7 +165,7 @@ Problem<T> agree(Communicator& comm, const char* call, Check&& check) {
 inline constexpr int64_t kBlockRows = 8;
 
 /// y_t = x_t[0, V) + x_t[V, V + K) M for the rows t of `x` (the widened outputs [o | p]): M [K, V] contiguous,
-/// `rows(t)` gives row t of x and `out(t)` row t of y; accumulated in S (float for 16-bit and float inputs).
+/// `row(t)` gives row t of x and `out(t)` row t of y (type T); accumulated in S (float for 16-bit and float inputs).
 template <class S, class T, class Row, class Out>
 void widened_readout(int64_t rows, int64_t K, int64_t V, const S* M, Row row, Out out) {
   std::vector<S> acc(static_cast<size_t>(kBlockRows * V));
@@ -184,8 +186,8 @@ void widened_readout(int64_t rows, int64_t K, int64_t V, const S* M, Row row, Ou
       }
     }
     for (int64_t i = 0; i < nb; ++i) {
-      auto* y = out(t0 + i);
-      for (int64_t v = 0; v < V; ++v) y[v] = static_cast<std::remove_reference_t<decltype(*y)>>(acc[static_cast<size_t>(i * V + v)]);
+      T* y = out(t0 + i);
+      for (int64_t v = 0; v < V; ++v) y[v] = T(acc[static_cast<size_t>(i * V + v)]);
     }
   }
 }
@@ -232,7 +234,7 @@ TensorView<U> view4(std::vector<std::remove_const_t<U>>& v, int64_t a, int64_t b
 template <class T>
 struct Stats {
   int64_t N = 0, H = 0, K = 0;
-  std::vector<double> G;    ///< [N, H]
+  std::vector<double> G;  ///< [N, H]
   /// The statistics after the segment from `a_in` ([N, H, K]; zero when empty).
   std::vector<double> run(const Problem<T>& p, const std::vector<double>& a_in) const {
     std::vector<double> a = a_in.empty() ? std::vector<double>(static_cast<size_t>(N * H * K), 0.0) : a_in;
@@ -243,7 +245,8 @@ struct Stats {
           normalised_key(p, n, t, h, kn.data());
           const double dec = std::exp(double(p.g_p(n, t, h))), bp = double(p.beta_p(n, t, h));
           double* ah = &a[static_cast<size_t>((n * H + h) * K)];
-          for (int64_t c = 0; c < K; ++c) ah[c] = dec * ah[c] + bp * kn[static_cast<size_t>(c)] * kn[static_cast<size_t>(c)];
+          for (int64_t c = 0; c < K; ++c)
+            ah[c] = dec * ah[c] + bp * kn[static_cast<size_t>(c)] * kn[static_cast<size_t>(c)];
         }
     return a;
   }
@@ -279,7 +282,9 @@ struct Segment {
   std::vector<S> s_in;            ///< [N, HV, K, V] state entering this segment
   std::vector<T> o_aug;           ///< [N, T, HV, W]: outputs from [0 | I] (ranks > 0): o(0) and p_t
 
-  const S* map(int j, int64_t n, int64_t hv) const { return &maps[static_cast<size_t>(((int64_t(j) * N + n) * HV + hv) * K * W)]; }
+  const S* map(int j, int64_t n, int64_t hv) const {
+    return &maps[static_cast<size_t>(((int64_t(j) * N + n) * HV + hv) * K * W)];
+  }
 
   /// S <- M_j S + B_j for every (sequence, value head); S [N, HV, K, V].
   void apply(int j, std::vector<S>& st) const {
@@ -308,7 +313,8 @@ struct Segment {
       for (int64_t nh = 0; nh < N * H; ++nh) {
         const double* m = &stats_all[static_cast<size_t>((int64_t(j) * N * H + nh) * (1 + K))];
         const double dec = std::exp(m[0]);
-        for (int64_t c = 0; c < K; ++c) a[static_cast<size_t>(nh * K + c)] = dec * a[static_cast<size_t>(nh * K + c)] + m[1 + c];
+        for (int64_t c = 0; c < K; ++c)
+          a[static_cast<size_t>(nh * K + c)] = dec * a[static_cast<size_t>(nh * K + c)] + m[1 + c];
       }
     return a;
   }
@@ -376,9 +382,11 @@ Segment<T> forward_phase(Communicator& comm, const Problem<T>& p, const Options&
       for (int64_t n = 0; n < N; ++n)
         for (int64_t hv = 0; hv < HV; ++hv)
           for (int64_t c = 0; c < K; ++c)
-            for (int64_t v = 0; v < V; ++v) hT[static_cast<size_t>(((n * HV + hv) * K + c) * V + v)] = p.h0(n, hv, c, v);
+            for (int64_t v = 0; v < V; ++v)
+              hT[static_cast<size_t>(((n * HV + hv) * K + c) * V + v)] = p.h0(n, hv, c, v);
     }
-    for (int64_t i = 0; i < N * HV * K; ++i) std::copy_n(&hT[static_cast<size_t>(i * V)], V, &msg[static_cast<size_t>(i * W)]);
+    for (int64_t i = 0; i < N * HV * K; ++i)
+      std::copy_n(&hT[static_cast<size_t>(i * V)], V, &msg[static_cast<size_t>(i * W)]);
   } else {
     std::vector<S> h0(static_cast<size_t>(N * HV * K * W), S(0));
     for (int64_t i = 0; i < N * HV; ++i)
@@ -555,7 +563,8 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
       for (int64_t n = 0; n < N; ++n)
         for (int64_t hv = 0; hv < HV; ++hv)
           for (int64_t k = 0; k < K; ++k)
-            for (int64_t v = 0; v < V; ++v) p.dh0(n, hv, k, v) = ds[static_cast<size_t>(((n * HV + hv) * K + k) * V + v)];
+            for (int64_t v = 0; v < V; ++v)
+              p.dh0(n, hv, k, v) = ds[static_cast<size_t>(((n * HV + hv) * K + k) * V + v)];
     if (p.dcenter.data)
       for (int64_t h = 0; h < H; ++h) p.dcenter(h) = T(0);
   }
@@ -578,7 +587,8 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
     for (int64_t nh = 0; nh < N * H; ++nh) {
       msg[static_cast<size_t>(nh * (1 + K))] = st.G[static_cast<size_t>(nh)];
       if (!da0_local.empty())
-        for (int64_t c2 = 0; c2 < K; ++c2) msg[static_cast<size_t>(nh * (1 + K) + 1 + c2)] = double(da0_local[static_cast<size_t>(nh * K + c2)]);
+        for (int64_t c2 = 0; c2 < K; ++c2)
+          msg[static_cast<size_t>(nh * (1 + K) + 1 + c2)] = double(da0_local[static_cast<size_t>(nh * K + c2)]);
     }
     comm.all_gather(msg.data(), msg.size() * sizeof(double), all.data());
     std::vector<double> daT(static_cast<size_t>(N * H * K), 0.0), daT_all(daT.size() * static_cast<size_t>(Rn));
@@ -592,7 +602,8 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
       for (int64_t nh = 0; nh < N * H; ++nh) {
         const double* m = &all[static_cast<size_t>((int64_t(j) * N * H + nh) * (1 + K))];
         const double dec = std::exp(m[0]);
-        for (int64_t c2 = 0; c2 < K; ++c2) dA[static_cast<size_t>(nh * K + c2)] = m[1 + c2] + dec * dA[static_cast<size_t>(nh * K + c2)];
+        for (int64_t c2 = 0; c2 < K; ++c2)
+          dA[static_cast<size_t>(nh * K + c2)] = m[1 + c2] + dec * dA[static_cast<size_t>(nh * K + c2)];
       }
     // Closed form of d<dA, A_out>: A_out = (prod_{m>=t} a_m) A_{t-1} + ..., A_t = a_t A_{t-1} + beta_p,t kn_t^2.
     std::vector<double> a = seg.a_in;  // running statistics A_{t-1}
@@ -611,8 +622,8 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
         double rest = st.G[static_cast<size_t>(n * H + h)];  // sum of g_p over tokens t .. end
         for (int64_t t = 0; t < Tn; ++t) {
           const double gp = double(p.g_p(n, t, h)), bp = double(p.beta_p(n, t, h));
-          const double w_prev = std::exp(rest);        // prod_{m>=t} a_m
-          const double w_tok = std::exp(rest - gp);    // prod_{m>t} a_m
+          const double w_prev = std::exp(rest);      // prod_{m>=t} a_m
+          const double w_tok = std::exp(rest - gp);  // prod_{m>t} a_m
           detail::Stats<T>::normalised_key(p, n, t, h, kn.data());
           double dgp = 0, dbp = 0;
           for (int64_t c2 = 0; c2 < K; ++c2) {
@@ -637,7 +648,8 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
               p.dk(n, t, h, c2) = T(double(p.dk(n, t, h, c2)) + d);
             }
           }
-          for (int64_t c2 = 0; c2 < K; ++c2) ah[c2] = std::exp(gp) * ah[c2] + bp * kn[static_cast<size_t>(c2)] * kn[static_cast<size_t>(c2)];
+          for (int64_t c2 = 0; c2 < K; ++c2)
+            ah[c2] = std::exp(gp) * ah[c2] + bp * kn[static_cast<size_t>(c2)] * kn[static_cast<size_t>(c2)];
           rest -= gp;
         }
         if (r == 0 && p.da0.data)
