@@ -16,11 +16,11 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <dgps/dgps.hpp>
 #include <dgps/distributed.hpp>
-#include <thread>
 
 namespace {
 

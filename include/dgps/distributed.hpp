@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "dgps/detail/squash.hpp"
 #include "dgps/dgps.hpp"
 
 namespace dgps::distributed {
@@ -245,21 +246,22 @@ struct Stats {
           normalised_key(p, n, t, h, kn.data());
           const double dec = std::exp(double(p.g_p(n, t, h))), bp = double(p.beta_p(n, t, h));
           double* ah = &a[static_cast<size_t>((n * H + h) * K)];
-          for (int64_t c = 0; c < K; ++c)
-            ah[c] = dec * ah[c] + bp * kn[static_cast<size_t>(c)] * kn[static_cast<size_t>(c)];
+          for (int64_t c = 0; c < K; ++c) ah[c] = maths::stats_step(ah[c], dec, bp, kn[static_cast<size_t>(c)]);
         }
     return a;
   }
-  static void normalised_key(const Problem<T>& p, int64_t n, int64_t t, int64_t h, double* kn) {
+  /// The key row (n, t, h) as the statistics see it, L2-normalised when the call asks; returns the factor
+  /// applied (1 / sqrt(sum k^2 + 1e-6), or 1), which the backward's chain through the norm reuses.
+  static double normalised_key(const Problem<T>& p, int64_t n, int64_t t, int64_t h, double* kn) {
     double ss = 0;
     for (int64_t c = 0; c < p.K; ++c) {
       kn[c] = double(p.k(n, t, h, c));
       ss += kn[c] * kn[c];
     }
-    if (p.l2norm) {
-      const double inv = 1.0 / std::sqrt(ss + 1e-6);
-      for (int64_t c = 0; c < p.K; ++c) kn[c] *= inv;
-    }
+    if (!p.l2norm) return 1.0;
+    const double inv = 1.0 / std::sqrt(ss + 1e-6);
+    for (int64_t c = 0; c < p.K; ++c) kn[c] *= inv;
+    return inv;
   }
   explicit Stats(const Problem<T>& p) : N(p.B), H(p.H), K(p.K), G(static_cast<size_t>(p.B * p.H), 0.0) {
     for (int64_t n = 0; n < N; ++n)
@@ -614,7 +616,7 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
           for (int64_t h = 0; h < H; ++h)
             for (int64_t c2 = 0; c2 < K; ++c2) a[static_cast<size_t>((n * H + h) * K + c2)] = double(p.a0(n, h, c2));
     }
-    std::vector<double> kn(static_cast<size_t>(K));
+    std::vector<double> kn(static_cast<size_t>(K)), dkn(static_cast<size_t>(K));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < H; ++h) {
         const double* D = &dA[static_cast<size_t>((n * H + h) * K)];
@@ -624,7 +626,7 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
           const double gp = double(p.g_p(n, t, h)), bp = double(p.beta_p(n, t, h));
           const double w_prev = std::exp(rest);      // prod_{m>=t} a_m
           const double w_tok = std::exp(rest - gp);  // prod_{m>t} a_m
-          detail::Stats<T>::normalised_key(p, n, t, h, kn.data());
+          const double inv = detail::Stats<T>::normalised_key(p, n, t, h, kn.data());
           double dgp = 0, dbp = 0;
           for (int64_t c2 = 0; c2 < K; ++c2) {
             dgp += D[c2] * w_prev * ah[c2];
@@ -633,23 +635,19 @@ RunInfo backward(Communicator& comm, const Inputs<T>& in, const GradsIn<T>& gin,
           if (p.dg_p.data) p.dg_p(n, t, h) = T(double(p.dg_p(n, t, h)) + dgp);
           if (p.dbeta_p.data) p.dbeta_p(n, t, h) = T(double(p.dbeta_p(n, t, h)) + dbp);
           if (p.dk.data) {  // d kn = 2 D w_tok beta_p kn, through the L2 norm to k
-            std::vector<double> dkn(static_cast<size_t>(K));
-            double ss = 0, dot = 0;
+            double dot = 0;
             for (int64_t c2 = 0; c2 < K; ++c2) {
               dkn[static_cast<size_t>(c2)] = 2 * D[c2] * w_tok * bp * kn[static_cast<size_t>(c2)];
-              const double kc = double(p.k(n, t, h, c2));
-              ss += kc * kc;
-              dot += kc * dkn[static_cast<size_t>(c2)];
+              dot += double(p.k(n, t, h, c2)) * dkn[static_cast<size_t>(c2)];
             }
-            const double inv = p.l2norm ? 1.0 / std::sqrt(ss + 1e-6) : 1.0;
             for (int64_t c2 = 0; c2 < K; ++c2) {
               double d = dkn[static_cast<size_t>(c2)];
               if (p.l2norm) d = (d - double(p.k(n, t, h, c2)) * dot * inv * inv) * inv;
               p.dk(n, t, h, c2) = T(double(p.dk(n, t, h, c2)) + d);
             }
           }
-          for (int64_t c2 = 0; c2 < K; ++c2)
-            ah[c2] = std::exp(gp) * ah[c2] + bp * kn[static_cast<size_t>(c2)] * kn[static_cast<size_t>(c2)];
+          const double dec = std::exp(gp);
+          for (int64_t c2 = 0; c2 < K; ++c2) ah[c2] = maths::stats_step(ah[c2], dec, bp, kn[static_cast<size_t>(c2)]);
           rest -= gp;
         }
         if (r == 0 && p.da0.data)

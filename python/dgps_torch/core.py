@@ -38,16 +38,18 @@ def _compute_dtypes(q, k, v, gates):
 
 # dgps::cuda takes key_dim <= 128 (cuda/api.cu).
 CUDA_MAX_KEY_DIM = 128
-_NAMED_AXES = {"la": ("none", "unit", "identity", "offline"), "mamba2": ("scalar", "scalar", "identity", "offline"),
-               "gla": ("diagonal", "unit", "identity", "offline")}
+# The named models without a preconditioner or a delta-rule (online) solve.
+_KEY_SEPARABLE = {"la", "mamba2", "gla"}
 
 
 def key_separable(model):
     """True when the state's key rows evolve independently (no preconditioner, no delta-rule solve: la, mamba2,
     gla, simple GLA): o = sum over key blocks of each block's output, so any key_dim splits into blocks."""
     m = model_string(model)
-    axes = tuple(m.split(",")) if "," in m else _NAMED_AXES.get(m)
-    return axes is not None and len(axes) == 4 and axes[2] == "identity" and axes[3] == "offline"
+    if "," not in m:
+        return m in _KEY_SEPARABLE
+    axes = m.split(",")
+    return len(axes) == 4 and axes[2] == "identity" and axes[3] == "offline"
 
 
 def cuda_route(model, key_dim, backend="automatic"):

@@ -57,8 +57,8 @@ std::pair<Arrays, Arrays> run_split(const Case& c, const std::vector<int64_t>& l
     threads.emplace_back([&, r, a, b] {
       try {
         const Case s = segment_of(c, a, b);
-        const int64_t B = s.shape.batch, L = s.shape.time, H = s.shape.heads, HV = s.shape.v_heads,
-                      K = s.shape.key_dim, V = s.shape.value_dim;
+        const int64_t B = s.shape.batch, L = s.shape.time, H = s.shape.heads, HV = s.shape.v_heads, K = s.shape.key_dim,
+                      V = s.shape.value_dim;
         CaseTensors<T> ct(s);
         std::vector<T> o(std::max<size_t>(static_cast<size_t>(B * L * HV * V), 1), T(NAN));
         std::vector<S> hT(static_cast<size_t>(c.N * HV * K * V), S(NAN));
@@ -110,7 +110,8 @@ std::pair<Arrays, Arrays> run_split(const Case& c, const std::vector<int64_t>& l
   for (const char* st : {"hT", "aT"}) {
     if (!fwd[0].count(st)) continue;
     f[st] = fwd[0].at(st);
-    for (int r = 1; r < Rn; ++r) CHECK(fwd[static_cast<size_t>(r)].at(st) == f[st]);  // every rank: the same final state
+    for (int r = 1; r < Rn; ++r)
+      CHECK(fwd[static_cast<size_t>(r)].at(st) == f[st]);  // every rank: the same final state
   }
   for (const char* name : kPerToken) {
     const std::string dn = std::string("d") + name;
@@ -192,8 +193,8 @@ TEST_CASE("distributed: a bad call on one rank throws the same error on every ra
         auto in = ct.inputs(s);
         if (r == 1 && bad == 0) in.g = {};
         try {
-          dgps::distributed::forward<dgps::GDN>(group.member(r), in,
-                                                dgps::outputs<float>(r ? o1.data() : o0.data()), on(dgps::Backend::cpu));
+          dgps::distributed::forward<dgps::GDN>(group.member(r), in, dgps::outputs<float>(r ? o1.data() : o0.data()),
+                                                on(dgps::Backend::cpu));
         } catch (const dgps::Error& e) {
           what[static_cast<size_t>(r)] = e.what();
         }
@@ -201,8 +202,8 @@ TEST_CASE("distributed: a bad call on one rank throws the same error on every ra
     for (auto& t : th) t.join();
     INFO(what[0]);
     CHECK(what[0] == what[1]);
-    CHECK(what[0].find(bad == 0 ? "distributed::forward: rank 1: " : "rank 1's sizes [B, H, HV, K, V] = [1, 1, 1, 5, 4]") !=
-          std::string::npos);
+    CHECK(what[0].find(bad == 0 ? "distributed::forward: rank 1: "
+                                : "rank 1's sizes [B, H, HV, K, V] = [1, 1, 1, 5, 4]") != std::string::npos);
     CHECK(o0 == std::vector<float>(64, -7.f));
     CHECK(o1 == std::vector<float>(64, -7.f));
   }
