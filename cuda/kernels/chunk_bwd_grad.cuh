@@ -20,6 +20,12 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+/// beta kw rounded to Op as scale_rows rounds the Diag(beta) KW tile (bitwise the same value).
+template <class Op>
+__device__ __forceinline__ float rounded_kwb(float beta, Op kw) {
+  return to_float(from_float<Op>(to_float(kw) * beta));
+}
+
 /// Warps of the gradient kernel: 4 row blocks of 16 rows times kGradGroups column groups.
 constexpr int kGradWarps = 16, kGradGroups = kGradWarps / 4, kGradThreads = 32 * kGradWarps;
 
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   float* s_gam = reinterpret_cast<float*>(sMr + C * LDC);
   float* s_beta = s_gam + C;
   float* s_diag = s_beta + C;          // dO_i . r_i
-  float* s_rho = s_diag + C;           // [C][G] row sums of kw ⊙ Ed (H r), rows < L - 1
+  float* s_rho = s_diag + C;           // [C][G] row sums of (beta kw) ⊙ Ed (H r), rows < L - 1
   float* s_db = s_rho + G * C;         // [C][G]
   float* s_dg = s_db + G * C;          // [C][G]
   float* s_last = s_dg + G * C;        // [KP] H r of the last row
@@ -299,7 +305,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
       }
   } else {
     // X1 rows times E, X2 rows times -E (X2 becomes dkn), X3 rows times Ed. The last row's H r leaves
-    // X3 (gate-free: kept out of dgamma); rho_i = kw_i . X3_i (rows < L - 1) feeds the boundary term.
+    // X3 (gate-free: kept out of dgamma); rho_i = (beta_i kw_i) . X3_i (rows < L - 1) feeds the boundary
+    // term, beta_i kw_i rounded as in the Diag(beta) KW tile: the factor dgamma takes below, so that the
+    // boundary and the suffix sums of dgamma cancel to float32 rounding.
     float rho[2] = {0.f, 0.f}, eg[2], ed[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -314,7 +322,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
         s_last[c] = x3[nt][e];
         x3[nt][e] = 0.f;
       } else {
-        rho[hr] = fmaf(to_float(sKW[i * LDK + c]), x3[nt][e], rho[hr]);
+        rho[hr] = fmaf(rounded_kwb<Op>(s_beta[i], sKW[i * LDK + c]), x3[nt][e], rho[hr]);
       }
     });
 #pragma unroll
@@ -429,7 +437,12 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
         const int e = 2 * hr + u, c = acc_col(ck0 + 8 * nt, e);
         const float qr = to_float(sQr[i * LDK + c]), kn = to_float(sKn[i * LDK + c]), kw = to_float(sKW[i * LDK + c]);
         const float dkn = online ? x2[nt][e] : 0.f;
-        const float dgam = qr * x1[nt][e] + kn * dkn - kw * bi * x3[nt][e];
+        // Scalar decay: beta kw from the Diag(beta) KW tile, the operand of X1 and X2's in-chunk products, so
+        // that each pair (j < i) enters dgamma_i and -dgamma_j as the same product and the reverse sum over
+        // the chunk cancels it to float32 rounding (beta kw rounded once more here would leave a 16-bit
+        // residual per pair, which the sums over tokens of dg, the gate parameters' gradients, accumulate).
+        const float kwb = DIAG ? kw * bi : to_float(sKWb[i * LDK + c]);
+        const float dgam = qr * x1[nt][e] + kn * dkn - kwb * x3[nt][e];
         if constexpr (DIAG)
           sDG[i * LDG + c] = ok ? dgam : 0.f;
         else
@@ -519,11 +532,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   };
   if (tid < L && bw.dbeta) store_gate(bw.dbeta, at3(bw.sdbeta, p.b, p.t0 + tid, hv), a.gate_dtype, row_sum(s_db, tid));
   if (warp == 0 && a.decay == kDecayScalar && bw.dg) {
-    // Lane l owns rows 2l, 2l + 1: the boundary term (e^{gamma_L} Σ H ⊙ S_0 + Σ_{i < L-1} beta_i rho_i)
+    // Lane l owns rows 2l, 2l + 1: the boundary term (e^{gamma_L} Σ H ⊙ S_0 + Σ_{i < L-1} rho_i)
     // by a fixed shuffle tree, then dg_i = boundary + Σ_{j >= i} dgamma_j by a reverse lane scan.
     const int i0 = 2 * lane, i1 = i0 + 1;
-    float b =
-        (i0 < L - 1 ? s_beta[i0] * row_sum(s_rho, i0) : 0.f) + (i1 < L - 1 ? s_beta[i1] * row_sum(s_rho, i1) : 0.f);
+    float b = (i0 < L - 1 ? row_sum(s_rho, i0) : 0.f) + (i1 < L - 1 ? row_sum(s_rho, i1) : 0.f);
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) b += __shfl_xor_sync(0xffffffffu, b, d);
     const float bnd = fmaf(__expf(gL), hs, b);

@@ -85,14 +85,15 @@ def qwen3_next(dev):
 
 def kimi_linear(dev):
     """Kimi Linear: three KDA layers and one MLA layer (field names differ between transformers versions: the
-    linear-attention ones are given both ways)."""
+    linear-attention ones are given both ways). Dense MLPs in every layer (first_k_dense_replace), as for
+    Qwen3-Next: the grouped expert products take no float64."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     from transformers.models.kimi_linear import modeling_kimi_linear as mod
     cfg = KimiLinearConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128,
                            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, num_experts_per_tok=4,
                            num_local_experts=4, max_position_embeddings=4096, pad_token_id=0, eos_token_id=None,
-                           bos_token_id=None,
+                           bos_token_id=None, first_k_dense_replace=4,
                            linear_attn_config={"head_dim": 128, "num_heads": 4, "short_conv_kernel_size": 4,
                                                "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
     # The torch KDA kernels' names: torch_chunk_kda / torch_recurrent_kda, or (transformers 5.17)

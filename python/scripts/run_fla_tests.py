@@ -1,15 +1,18 @@
 """Runs FLA's own op tests with FLA's op functions replaced by dgps_torch's (FLA's references and tolerances stay).
 
-Usage: python run_fla_tests.py [--jobs N] /path/to/flash-linear-attention [extra pytest args]
+Usage: python run_fla_tests.py [--jobs N] [--timeout S] /path/to/flash-linear-attention [extra pytest args]
 Runs tests/ops/test_{gdn,kda,delta,precond_gated_delta,precond_kda,gla,simple_gla}.py and prints pass / fail /
 skip counts per file. --jobs N runs N files at a time, each in its own process on the same GPU (FLA's tests spend
-most of their time compiling Triton references on the CPU). The patch is installed before the test modules import
+most of their time compiling Triton references on the CPU); --timeout S stops a file's process after S seconds
+and prints its last lines (with --jobs). The patch is installed before the test modules import
 (a pytest plugin), so their `from fla.ops.x import f` binds dgps_torch's f. Needs a GPU machine with FLA importable (its naive references).
 """
 import importlib
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -71,26 +74,45 @@ class Count:
             self.n.setdefault(f, {"passed": 0, "failed": 0, "skipped": 0})[report.outcome] += 1
 
 
-def _parallel(jobs, fla, files, extra):
-    """Runs each file in its own process, `jobs` at a time; returns the worst exit status."""
+def _parallel(jobs, fla, files, extra, timeout):
+    """Runs each file in its own process, `jobs` at a time (each stopped after `timeout` s when > 0, its last
+    lines printed: pytest -vv names the test that was running); returns the worst exit status."""
     pending, running, rc = list(files), [], 0
     while pending or running:
         while pending and len(running) < jobs:
             f = pending.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), fla, f, *extra]
-            running.append((f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        f, proc = running.pop(0)
-        out = proc.communicate()[0]
-        print(f"===== {os.path.basename(f)} (exit {proc.returncode})\n{out}", flush=True)
-        rc = max(rc, proc.returncode)
+            cmd = [sys.executable, os.path.abspath(__file__), fla, f, *extra] + (["-vv"] if timeout > 0 else [])
+            out = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+            running.append((f, proc, out, time.monotonic()))
+        time.sleep(0.5)
+        for item in list(running):
+            f, proc, out, t0 = item
+            late = timeout > 0 and time.monotonic() - t0 > timeout
+            if proc.poll() is None and not late:
+                continue
+            if late:
+                proc.kill()
+                proc.wait()
+            running.remove(item)
+            out.seek(0)
+            lines = out.read().splitlines()
+            status = f"stopped after {timeout} s" if late else f"exit {proc.returncode}"
+            keep = [l for l in lines if " FAILED" in l or l.startswith("FAILED")] + lines[-(15 if late else 30):]
+            print(f"===== {os.path.basename(f)} ({status})\n" + "\n".join(keep), flush=True)
+            rc = max(rc, 124 if late else proc.returncode)
     return rc
 
 
 def main():
     args = sys.argv[1:]
-    jobs = 1
-    if args[:1] == ["--jobs"]:
-        jobs, args = int(args[1]), args[2:]
+    jobs, timeout = 1, 0
+    while args[:1] in (["--jobs"], ["--timeout"]):
+        if args[0] == "--jobs":
+            jobs = int(args[1])
+        else:
+            timeout = int(args[1])
+        args = args[2:]
     fla = os.path.abspath(args[0])
     sys.path.insert(0, fla)
     extra = args[1:]
@@ -101,7 +123,7 @@ def main():
         files = [os.path.join(fla, "tests", "ops", f) for f in FILES
                  if os.path.exists(os.path.join(fla, "tests", "ops", f))]
     if jobs > 1 and len(files) > 1:
-        return _parallel(jobs, fla, files, extra)
+        return _parallel(jobs, fla, files, extra, timeout)
     count = Count()
     deselect = " and ".join(f"not {name}" for name in NOT_OPS)
     rc = pytest.main(["-q", "-p", "no:cacheprovider", "-k", deselect, *files, *extra], plugins=[Patch(), count])
