@@ -74,6 +74,27 @@ class Count:
             self.n.setdefault(f, {"passed": 0, "failed": 0, "skipped": 0})[report.outcome] += 1
 
 
+def _outcomes(lines, stopped):
+    """The lines to print of a file's pytest output: the failed tests' names and, for a process that was stopped
+    (-vv: each test's node id, then its outcome, live log lines between), the counts so far and the test that was
+    running; then the output's last lines."""
+    keep, test, counts = [], None, {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "::" in head and head.split("::", 1)[0].endswith(".py"):
+            test = head
+        words = line.split()
+        outcome = next((w for w in words[:2] if w in counts), None) if stopped else None
+        if outcome:
+            counts[outcome] += 1
+        if outcome == "FAILED" or (not stopped and line.startswith("FAILED")):
+            keep.append(f"FAILED {test}" if stopped else line)
+    if stopped:
+        keep.append(f"so far: {counts['PASSED']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped; "
+                    f"running: {test}")
+    return keep + lines[-(15 if stopped else 30):]
+
+
 def _parallel(jobs, fla, files, extra, timeout):
     """Runs each file in its own process, `jobs` at a time (each stopped after `timeout` s when > 0, its last
     lines printed: pytest -vv names the test that was running); returns the worst exit status."""
@@ -98,8 +119,7 @@ def _parallel(jobs, fla, files, extra, timeout):
             out.seek(0)
             lines = out.read().splitlines()
             status = f"stopped after {timeout} s" if late else f"exit {proc.returncode}"
-            keep = [l for l in lines if " FAILED" in l or l.startswith("FAILED")] + lines[-(15 if late else 30):]
-            print(f"===== {os.path.basename(f)} ({status})\n" + "\n".join(keep), flush=True)
+            print(f"===== {os.path.basename(f)} ({status})\n" + "\n".join(_outcomes(lines, late)), flush=True)
             rc = max(rc, 124 if late else proc.returncode)
     return rc
 
