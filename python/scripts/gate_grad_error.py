@@ -62,8 +62,7 @@ def run(fn, model, leaves, dev, io_dtype, expand=False):
     if expand and HV != q.shape[2]:
         qq, kk = (x.repeat_interleave(HV // q.shape[2], dim=2) for x in (qq, kk))
     o = fn(qq, kk, t[2], g, beta)
-    (o.float() * dO.to(dev, o.dtype).float()).sum().backward() if gd == torch.float32 else \
-        (o * dO.to(dev, o.dtype)).sum().backward()
+    (o.to(gd) * dO.to(dev, gd)).sum().backward()
     return [o.detach()] + [x.grad for x in t] + [p[1].grad, g.grad, p[2].grad, p[3].grad]
 
 
@@ -86,7 +85,8 @@ def main():
         torch_gdn = mod.torch_chunk_gated_delta_rule
     except Exception as e:  # transformers missing or renamed: dgps only
         print(f"transformers' torch kernel not available ({type(e).__name__}); dgps only")
-    print(f"{torch.cuda.get_device_name() if dev == 'cuda' else dev}; B={args.batch} H={H} HV={HV} K=V={K}; relative L2 error to the float64 gold")
+    where = torch.cuda.get_device_name() if dev == "cuda" else dev
+    print(f"{where}; B={args.batch} H={H} HV={HV} K=V={K}; relative L2 error to the float64 gold")
     print("| model | regime | T | kernel | " + " | ".join(NAMES) + " |")
     print("|" + "---|" * (4 + len(NAMES)))
     for model in args.models.split(","):
