@@ -1,9 +1,10 @@
 /// @brief Chunkwise backward of the CPU leaf kernels (SPEC §4, paper App. D), compiled once per ISA.
 ///
 /// Included by kernel_impl.hpp into the per-ISA anonymous namespace. One task per (sequence n, key head h).
-/// Without a training cache the sequence is cut into segments of kSegTokens (scratch.hpp): a checkpoint
-/// sweep keeps the state entering each segment (per value head) and the statistics entering it; then
-/// per segment, last to first:
+/// Without a full training cache the sequence is cut into segments of dgps::detail::kCheckpointTokens: a
+/// checkpoint sweep keeps the state entering each segment (per value head) and the statistics entering
+/// it (or a checkpoint cache, saved by the forward, holds them: no checkpoint sweep); then per segment,
+/// last to first:
 ///  1. a token pass computes the normalised q and k, the squash M of the diagonal statistics and the
 ///     read queries / write keys (as the forward kernel does) of the segment's tokens;
 ///  2. per value head, a forward sweep over the segment's chunks from its checkpoint stores each chunk's
@@ -40,6 +41,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include <dgps/training_cache.hpp>
 
 #include "backward_steps.hpp"
 #include "convert.hpp"
@@ -83,11 +86,14 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   for (int64_t j = 0; j < nh; ++j) dcenter_out[j] = 0;
   // Training cache (KernelParams::saved) filled by the forward: each chunk's S_in, R and intra-chunk
   // matrices are read from it (one chunk at a time) instead of recomputed by a forward sweep.
-  const T* sv =
-      p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block : nullptr;
+  // A checkpoint cache (saved_seg > 0) holds only the states (and statistics) entering the segments.
+  const T* saved = p.saved && !p.save ? static_cast<const T*>(p.saved) + p.saved_chunk0[n] * p.HV * p.saved_block
+                                      : nullptr;
+  const bool ckpt = saved && p.saved_seg > 0;
+  const T* sv = ckpt ? nullptr : saved;
   const bool cached = sv != nullptr;
   // Without the cache: chunks per segment, segments, chunks held by the per-chunk stores.
-  const int64_t seg = cached ? 1 : imin(backward_segment_chunks(C), nch);
+  const int64_t seg = cached ? 1 : imin(ckpt ? p.saved_seg : dgps::detail::segment_chunks(C), nch);
   const int64_t nseg = cached ? 1 : seg < 1 ? 0 : (nch + seg - 1) / seg;  // 0: an empty sequence
   const int64_t nst = cached ? 1 : seg;
   // With the cache and one value head per key head, the per-token arrays hold one chunk's rows (the
@@ -141,7 +147,8 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
     if (At) At += Kp;  // row -1: the statistics entering the first row held
     take(SinT, nst * Vd * ldk), take(RT, nst * Vd * ldr), take(Rs, nst * C * ldv), take(Bms, nst * C * Cp);
     take(Aqs, nst * C * Cp);
-    take(Ck, cached ? 0 : (nseg > 0 ? nseg : 1) * r * K * ldv), take(Ack, !cached && s.diag_pre ? (nseg + 1) * Kp : 0);
+    take(Ck, cached || ckpt ? 0 : (nseg > 0 ? nseg : 1) * r * K * ldv);
+    take(Ack, !cached && !ckpt && s.diag_pre ? (nseg + 1) * Kp : 0);
     return off;
   };
   // One block kept by the thread across tasks and calls (ScratchLease): the per-token arrays and
@@ -761,15 +768,26 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
   // R^T, Bm, Aq) and its reverse sweep (which runs step 3 for the last value head).
   if (!cached) {
     auto ck = [&](int64_t sg, int64_t jh) { return Ck + (sg * r + jh) * K * ldv; };
+    // The checkpoint cache's block of segment sg and value head h r + jh.
+    auto saved_ck = [&](int64_t sg, int64_t jh) { return saved + ((h * r + jh) * nseg + sg) * p.saved_block; };
     // Segment sg (chunks [c0, c1)): the token pass, per value head the forward sweep from the segment's
     // checkpoint, then the reverse sweep (`back`) or the checkpoint of the next segment.
     auto segment = [&](int64_t sg, bool back) {
       const int64_t c0 = sg * seg, c1 = imin(nch, c0 + seg);
       tbase = c0 * C, cbase = c0;
-      token_rows(c0 * C, imin(len, c1 * C), s.diag_pre ? Ack + sg * Kp : A0);
+      token_rows(c0 * C, imin(len, c1 * C),
+                 !s.diag_pre || sg == 0 ? A0 : ckpt ? saved_ck(sg, 0) + p.saved_aoff : Ack + sg * Kp);
       if (s.diag_pre && !back) std::memcpy(Ack + (sg + 1) * Kp, At + trow(c1 * C - 1), size_t(Kp) * sizeof(T));
       for (int64_t jh = 0; jh < r; ++jh) {
-        std::memcpy(S, ck(sg, jh), size_t(K * ldv) * sizeof(T));
+        if (ckpt) {
+          const T* src = saved_ck(sg, jh);
+          for (int64_t c = 0; c < K; ++c) {
+            std::memcpy(S + c * ldv, src + c * p.saved_ld, size_t(Vd) * sizeof(T));
+            std::memset(static_cast<void*>(S + c * ldv + Vd), 0, size_t(ldv - Vd) * sizeof(T));
+          }
+        } else {
+          std::memcpy(S, ck(sg, jh), size_t(K * ldv) * sizeof(T));
+        }
         for (int64_t ci = c0; ci < c1; ++ci) forward_chunk(ci, h * r + jh, back);
         if (!back) std::memcpy(ck(sg + 1, jh), S, size_t(K * ldv) * sizeof(T));
         dS = dSg + jh * K * ldv;
@@ -777,16 +795,18 @@ void backward_task_t(const KernelParams& p, int64_t task, int64_t group, double*
       }
     };
     for (int64_t jh = 0; jh < r; ++jh) {
-      T* s0c = ck(0, jh);
-      std::memset(s0c, 0, size_t(K * ldv) * sizeof(T));
-      if (p.h0.data) {
-        const T* s0 = s.state(p.h0, si, h * r + jh);
-        for (int64_t c = 0; c < K; ++c) std::memcpy(s0c + c * ldv, s0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+      if (!ckpt) {
+        T* s0c = ck(0, jh);
+        std::memset(s0c, 0, size_t(K * ldv) * sizeof(T));
+        if (p.h0.data) {
+          const T* s0 = s.state(p.h0, si, h * r + jh);
+          for (int64_t c = 0; c < K; ++c) std::memcpy(s0c + c * ldv, s0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+        }
       }
       dS = dSg + jh * K * ldv, init_ds(h * r + jh);
     }
-    if (s.diag_pre) std::memcpy(Ack, A0, size_t(Kp) * sizeof(T));
-    for (int64_t sg = 0; sg + 1 < nseg; ++sg) segment(sg, false);
+    if (s.diag_pre && !ckpt) std::memcpy(Ack, A0, size_t(Kp) * sizeof(T));
+    for (int64_t sg = 0; !ckpt && sg + 1 < nseg; ++sg) segment(sg, false);
     for (int64_t sg = nseg - 1; sg >= 0; --sg) segment(sg, true);
     for (int64_t jh = 0; jh < r; ++jh) dS = dSg + jh * K * ldv, write_dh0(h * r + jh);
   }

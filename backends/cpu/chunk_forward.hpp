@@ -60,7 +60,9 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   // Each head of the group has its own state S and statistics A. Training cache (KernelParams::saved),
   // when saving: Bu gets the unscaled key products (Akk / beta), Pk the chunk's packed [Aqk lower |
   // Bu^T upper] block.
-  const bool saving = p.saved && p.save;
+  const bool saving = p.saved && p.save && p.saved_seg == 0;
+  // A checkpoint cache (saved_seg > 0): the state and statistics entering every segment of saved_seg chunks.
+  const bool save_ck = p.saved && p.save && p.saved_seg > 0;
   const bool save_p = saving && vb == 0;  // the value-column blocks share the intra-chunk matrices
   const int64_t nS = K * ldv, nA = Kp, nKQ = 2 * C * Kp, nStg = C * Kp, nKW = C * Kp, nGam = C * Kp, nBeta = Cp,
                 nAQ = 2 * C * Kp, nKWT = Kp * Cp, nRO = 2 * C * ldv, nP = 2 * C * Cp, nTmp = 2 * (Kp + Cp),
@@ -124,6 +126,12 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
     // This head's first chunk block of the training cache.
     T* sv = saving ? static_cast<T*>(p.saved) + (p.saved_chunk0[n] * p.HV + hv * ((len + C - 1) / C)) * p.saved_block
                    : nullptr;
+    if (save_ck && cs / C % p.saved_seg == 0) {
+      const int64_t segs = ((len + C - 1) / C + p.saved_seg - 1) / p.saved_seg;
+      T* ck = static_cast<T*>(p.saved) + (p.saved_chunk0[n] * p.HV + hv * segs + cs / C / p.saved_seg) * p.saved_block;
+      for (int64_t c = 0; c < K; ++c) std::memcpy(ck + c * p.saved_ld + v0, S + c * ldv, size_t(Vd) * sizeof(T));
+      if (s.diag_pre && vb == 0) std::memcpy(ck + p.saved_aoff, A, size_t(Kp) * sizeof(T));
+    }
     const int64_t c = imin(C, len - cs);
     T* Kn = KQ;                                             // read keys, rows [0, c)
     T* Qr = KQ + c * Kp;                                    // read queries, rows [c, 2c)

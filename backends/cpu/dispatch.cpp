@@ -189,7 +189,7 @@ const char* chunkwise_backward(const KernelParams& p) {
   constexpr int64_t kGroup = 8;
   const int64_t pairs = p.N * p.H;
   const int64_t threads = p.threads > 0 ? p.threads : dgps::detail::hardware_threads();
-  const bool cached = p.saved && !p.save;
+  const bool cached = p.saved && !p.save && p.saved_seg == 0;  // the full cache (not checkpoints)
   const int64_t group =
       cached && p.HV == p.H ? std::max<int64_t>(1, std::min({kGroup, p.H, pairs / std::max<int64_t>(1, threads)})) : 1;
   const int64_t ng = (p.H + group - 1) / group;

@@ -23,13 +23,6 @@ inline int64_t padded_ld(int64_t n) {
   return bytes % 64 == 0 && (bytes / 64) % 2 == 0 ? n + 64 / int64_t(sizeof(T)) : n;
 }
 
-/// Tokens per segment of the CPU backward without a training cache (backward.hpp): the per-token rows and
-/// per-chunk stores it holds at once cover one segment (see docs/performance-cpu.md, long sequences).
-constexpr int64_t kSegTokens = 4096;
-
-/// Chunks of C tokens per segment of the backward without a training cache.
-inline int64_t backward_segment_chunks(int64_t C) { return C >= kSegTokens ? 1 : kSegTokens / C; }
-
 /// A zero-initialised, 64-byte aligned scratch block owned by one task.
 template <class T>
 struct Scratch {

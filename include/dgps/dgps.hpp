@@ -116,16 +116,18 @@ RunInfo backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>& gra
 }
 
 /// Bytes that a forward of model R on `in` with `opt` saves into a TrainingCache on the CPU chunkwise
-/// path (0 for a model without CPU chunkwise kernels: its forward saves nothing). Validates `in` like
-/// forward does (throws dgps::Error on malformed inputs).
+/// path (0 for a model without CPU chunkwise kernels: its forward saves nothing), for a cache whose
+/// max_full_bytes() is `max_full_bytes` (the full cache up to it, else the checkpoints). Validates `in`
+/// like forward does (throws dgps::Error on malformed inputs).
 template <class R, class T>
-size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {}) {
+size_t training_cache_bytes(const Inputs<T>& in, const Options& opt = {},
+                            size_t max_full_bytes = TrainingCache::kDefaultMaxFullBytes) {
   if constexpr (!cpu::has_chunkwise<R>()) {
     (void)detail::check_inputs<R>(in, opt);
     return 0;
   } else {
     const detail::Problem<T> p = detail::check_inputs<R>(in, opt);
-    return detail::training_bytes(p, detail::training_layout(p));
+    return detail::training_bytes(p, detail::training_layout(p, max_full_bytes));
   }
 }
 

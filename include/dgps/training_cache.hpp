@@ -15,6 +15,14 @@
 /// (Online), 1280 bytes (Offline) per token and value head, e.g. 117 MB for B = 1, T = 4096, HV = 16 (a chunk shorter
 /// than C, at the end of a sequence, takes a whole chunk's block). `dgps::training_cache_bytes`
 /// answers for a given call.
+///
+/// A forward whose full cache would exceed the cache's `max_full_bytes()` (1 GiB unless set) saves
+/// checkpoints instead: per sequence and value head, the state entering every segment of
+/// `kCheckpointTokens` tokens (4096; the first holds h0) and, with a diagonal preconditioner, the
+/// statistics entering it: S * (K * pad(V) + pad(K)) bytes per segment, 18 bytes per token and value head
+/// at K = V = 128 (float). The backward then recomputes each segment from its checkpoint, as it does
+/// without a cache, but skips the sweep over the whole sequence that would find those states (about 0.6
+/// of a forward on long sequences).
 #pragma once
 
 #include <cstddef>
@@ -31,6 +39,13 @@
 namespace dgps {
 
 namespace detail {
+
+/// Tokens per segment of the CPU chunkwise backward (without a full training cache): it holds one
+/// segment's per-token rows and per-chunk stores at once, from the state entering the segment.
+constexpr int64_t kCheckpointTokens = 4096;
+
+/// Chunks of C tokens per segment.
+constexpr int64_t segment_chunks(int64_t C) { return C >= kCheckpointTokens ? 1 : kCheckpointTokens / C; }
 
 /// What a forward was called with, as far as its saved activations depend on it: the model, the
 /// element type, the sizes, the options of the math, the sequence boundaries, and the address and
@@ -100,25 +115,31 @@ struct TrainingKey {
 /// (C rows of `ld`), then P (C rows of `pld`: P[i][j] = Aqk[i][j] for j <= i and Akk[j][i] / beta_j =
 /// the unscaled key product for j > i), then with a diagonal preconditioner the statistics A entering
 /// the chunk (K values at `aoff`). chunks(n) = ceil(len_n / C); `chunk0` is their prefix sum.
+/// Checkpoints (`seg` > 0): one block per segment of `seg` chunks instead of per chunk (chunks(n) =
+/// ceil(ceil(len_n / C) / seg)), holding the state entering the segment, then the statistics at `aoff`.
 struct TrainingLayout {
   int64_t ld = 0, pld = 0, aoff = 0, block = 0, chunks = 0;
+  int64_t seg = 0;              ///< chunks per block: 0 for the full cache (one block per chunk)
   std::vector<int64_t> chunk0;  ///< [N + 1]
 
   /// The layout of a problem: K, V, chunk C, Online or not, diagonal preconditioner or not, the state
   /// type's size, the sequence lengths (cu_seqlens, or N sequences of T tokens when empty).
+  /// With `checkpoints`, the checkpoint layout (segments of segment_chunks(C) chunks).
   static TrainingLayout of(int64_t K, int64_t V, int64_t C, bool online, bool diag_pre, size_t state_bytes,
-                           int64_t N, int64_t T, const int64_t* cu) {
+                           int64_t N, int64_t T, const int64_t* cu, bool checkpoints = false) {
     TrainingLayout l;
     const int64_t per_line = int64_t(64 / state_bytes);
     auto pad = [&](int64_t n) { return (n + per_line - 1) / per_line * per_line; };
     l.ld = pad(V);
-    l.pld = pad(C);
-    l.aoff = K * l.ld + (online ? C * l.ld : 0) + C * l.pld;
+    l.pld = checkpoints ? 0 : pad(C);
+    l.aoff = K * l.ld + (checkpoints ? 0 : (online ? C * l.ld : 0) + C * l.pld);
     l.block = l.aoff + (diag_pre ? pad(K) : 0);
+    l.seg = checkpoints ? segment_chunks(C) : 0;
     l.chunk0.assign(size_t(N + 1), 0);
     for (int64_t n = 0; n < N; ++n) {
       const int64_t len = cu ? cu[n + 1] - cu[n] : T;
-      l.chunk0[size_t(n + 1)] = l.chunk0[size_t(n)] + (len > 0 ? (len + C - 1) / C : 0);
+      const int64_t chunks = len > 0 ? (len + C - 1) / C : 0;
+      l.chunk0[size_t(n + 1)] = l.chunk0[size_t(n)] + (checkpoints ? (chunks + l.seg - 1) / l.seg : chunks);
     }
     l.chunks = l.chunk0[size_t(N)];
     return l;
@@ -162,8 +183,18 @@ class TrainingCache {
   }
   ~TrainingCache() { std::free(data_); }
 
+  /// The default of max_full_bytes(): 1 GiB.
+  static constexpr size_t kDefaultMaxFullBytes = size_t(1) << 30;
+
   /// True when a forward saved into it (and nothing cleared it since).
   bool filled() const noexcept { return filled_; }
+  /// True when the forward that filled it saved checkpoints only (its full cache was larger than
+  /// max_full_bytes(); see the file comment).
+  bool checkpoints_only() const noexcept { return filled_ && layout_.seg > 0; }
+  /// The largest full cache a forward saves; above it the forward saves checkpoints. Set it to 0 for
+  /// checkpoints always, to SIZE_MAX for the full cache always.
+  size_t max_full_bytes() const noexcept { return max_full_; }
+  void set_max_full_bytes(size_t bytes) noexcept { max_full_ = bytes; }
   /// Bytes of saved activations (0 when empty).
   size_t bytes() const noexcept { return filled_ ? used_ : 0; }
   /// Bytes allocated (kept for the next forward; at least bytes()).
@@ -187,9 +218,10 @@ class TrainingCache {
     std::swap(filled_, o.filled_);
     std::swap(key_, o.key_);
     std::swap(layout_, o.layout_);
+    std::swap(max_full_, o.max_full_);
   }
   void* data_ = nullptr;
-  size_t capacity_ = 0, used_ = 0;
+  size_t capacity_ = 0, used_ = 0, max_full_ = kDefaultMaxFullBytes;
   bool filled_ = false;
   detail::TrainingKey key_;
   detail::TrainingLayout layout_;

@@ -1,5 +1,6 @@
-/// @brief dgps::TrainingCache: a training forward saves S_in, R and the intra-chunk matrices; the CPU
-/// chunkwise backward reads them instead of recomputing.
+/// @brief dgps::TrainingCache: a training forward saves S_in, R and the intra-chunk matrices (or, over
+/// max_full_bytes, the states entering 4096-token segments); the CPU chunkwise backward reads them instead of
+/// recomputing.
 ///
 /// Tolerances: gradients with the cache against gradients without, max|diff| / max|ref| < 2e-5 (float32;
 /// the saved and the recomputed chunk states round differently; measured up to 7e-6) and < 1e-12
@@ -68,13 +69,32 @@ struct Bench : GradBuffers<T> {
 double g_worst_same[2] = {0, 0}, g_worst_ref[2] = {0, 0};
 
 template <class T>
-void check_cached(const Case& c, const dgps::Options& opt, double tol_same, double tol_ref, const std::string& what) {
+void check_cached(const Case& c, const dgps::Options& opt, double tol_same, double tol_ref, const std::string& what,
+                  size_t max_full_bytes = dgps::TrainingCache::kDefaultMaxFullBytes) {
   Bench<T> bench(c);
   const Arrays plain = bench.backward(opt, nullptr);
   dgps::TrainingCache cache;
+  cache.set_max_full_bytes(max_full_bytes);
   bench.forward(opt, &cache);
   REQUIRE(cache.filled());
   CHECK(cache.bytes() > 0);
+  CHECK(cache.checkpoints_only() == (max_full_bytes == 0));
+  if (max_full_bytes == 0) {
+    // Per sequence, value head and segment of 4096 / C chunks: K rows of pad(V) and pad(K) statistics (diagonal
+    // preconditioner), pad(n) = n rounded up to a 64-byte line.
+    using S = dgps::state_t<T>;
+    const int64_t line = int64_t(64 / sizeof(S)), C = opt.chunk_size, seg = 4096 / C;
+    auto pad = [&](int64_t n) { return (n + line - 1) / line * line; };
+    const bool diag_pre = c.spec.precond == dgps::precond::Kind::diagonal_atk ||
+                          c.spec.precond == dgps::precond::Kind::diagonal_atq;
+    int64_t segs = 0;
+    for (int64_t n = 0; n < c.N; ++n) {
+      const int64_t len = c.cu.empty() ? c.shape.time : c.cu[size_t(n + 1)] - c.cu[size_t(n)];
+      segs += ((len + C - 1) / C + seg - 1) / seg;
+    }
+    const int64_t K = c.shape.key_dim, block = K * pad(c.shape.value_dim) + (diag_pre ? pad(K) : 0);
+    CHECK(cache.bytes() == size_t(segs * c.shape.v_heads * block) * sizeof(S));
+  }
   const Arrays cached = bench.backward(opt, &cache);
   const Arrays ref = run_backward<double>(c, on(dgps::Backend::reference));
   std::string w1, w2;
@@ -120,6 +140,26 @@ TEST_CASE(
                                   << g_worst_ref[0] << ", f64 " << g_worst_ref[1]);
 }
 
+// A full cache over max_full_bytes: the forward saves only the state (and statistics) entering every 4096-token
+// segment, and the backward recomputes each segment from it. Sequences of one, two and three segments (the last
+// partial), an empty one, GVA, h0 and final cotangents, a chunk that does not divide 4096.
+TEST_CASE("training cache: checkpoints only, sequences of several segments, GVA, varlen, f32 and f64") {
+  uint64_t seed = 4700;
+  for (const char* model : {"gdn", "pgdn", "kda", "pkda", "dn", "mamba2", "la"})
+    for (const int64_t chunk : {int64_t(16), int64_t(48)}) {
+      Gen gen;
+      gen.h0 = gen.a0 = gen.final_grads = true;
+      const std::vector<int64_t> cu = {0, 8500, 8500, 12600, 12700};
+      const Case c =
+          random_case(dgps::model_by_name(model),
+                      {.batch = 1, .time = cu.back(), .heads = 2, .v_heads = 4, .key_dim = 16, .value_dim = 8}, cu,
+                      ++seed, gen);
+      const std::string what = std::string(model) + " chunk " + std::to_string(chunk);
+      check_cached<float>(c, chunkwise(chunk), 2e-5, 1e-4, what + " f32", 0);
+      check_cached<double>(c, chunkwise(chunk), 1e-12, 1e-9, what + " f64", 0);
+    }
+}
+
 TEST_CASE("training cache: the backward reads it (a zeroed cache changes the gradients)") {
   const Case c =
       random_case(dgps::model_by_name("gdn"),
@@ -132,6 +172,18 @@ TEST_CASE("training cache: the backward reads it (a zeroed cache changes the gra
   CHECK(worst(bench.backward(opt, &cache), plain) < 1e-12);
   std::memset(dgps::detail::TrainingCacheAccess::data(cache), 0, cache.bytes());
   CHECK(worst(bench.backward(opt, &cache), plain) > 1e-2);
+  // Checkpoints only: the states entering the segments are read (T = 5000: two segments).
+  const Case c2 =
+      random_case(dgps::model_by_name("gdn"),
+                  {.batch = 1, .time = 5000, .heads = 1, .v_heads = 1, .key_dim = 16, .value_dim = 16}, {}, 72);
+  Bench<double> bench2(c2);
+  const Arrays plain2 = bench2.backward(opt, nullptr);
+  cache.set_max_full_bytes(0);
+  bench2.forward(opt, &cache);
+  REQUIRE(cache.checkpoints_only());
+  CHECK(worst(bench2.backward(opt, &cache), plain2) < 1e-12);
+  std::memset(dgps::detail::TrainingCacheAccess::data(cache), 0, cache.bytes());
+  CHECK(worst(bench2.backward(opt, &cache), plain2) > 1e-2);
 }
 
 TEST_CASE("training cache: every covered combination, without h0 and final cotangents, odd chunk, f64") {

@@ -214,8 +214,8 @@ TEST_CASE("cpu backward: without the L2 norm, custom scale and scale 0, f64 1e-9
     }
 }
 
-// Without a training cache the backward sweeps segments of 4096 tokens (backends/cpu/scratch.hpp,
-// kSegTokens) from checkpointed states: sequences of several segments, a last segment of a few tokens,
+// Without a training cache the backward sweeps segments of 4096 tokens (dgps::detail::kCheckpointTokens)
+// from checkpointed states: sequences of several segments, a last segment of a few tokens,
 // GVA (a state and a state gradient per value head across segments), varlen, odd chunks.
 TEST_CASE(
     "cpu backward: sequences over several 4096-token segments, GVA, varlen, every covered combination, f64 1e-9") {

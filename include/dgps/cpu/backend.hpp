@@ -65,6 +65,7 @@ inline void set_saved(kernels::KernelParams& k, const TrainingCache& c, bool wri
   k.saved_pld = l.pld;
   k.saved_aoff = l.aoff;
   k.saved_block = l.block;
+  k.saved_seg = l.seg;
 }
 
 /// The kernel params of a validated problem: float or double (states share the input type), or
@@ -120,7 +121,7 @@ Ran forward(const dgps::detail::Problem<T>& p, Algorithm alg) {
   if (chunk) {
     kernels::KernelParams k = detail_cpu::params(p);
     if (p.save_to) {
-      dgps::detail::TrainingLayout layout = dgps::detail::training_layout(p);
+      dgps::detail::TrainingLayout layout = dgps::detail::training_layout(p, p.save_to->max_full_bytes());
       const size_t bytes = dgps::detail::training_bytes(p, layout);
       A::prepare(*p.save_to, dgps::detail::training_key(p), std::move(layout), bytes);
       detail_cpu::set_saved(k, *p.save_to, true);

@@ -60,11 +60,13 @@ struct KernelParams {
   /// solve R (chunk rows of `saved_ld`), then P (chunk rows of `saved_pld`; P[i][j] = Aqk[i][j] for
   /// j <= i, the unscaled key product Akk[j][i] / beta_j for j > i), then with a diagonal
   /// preconditioner the statistics A entering the chunk (K values at `saved_aoff`). Rows are 64-byte
-  /// aligned.
+  /// aligned. Checkpoints (`saved_seg` > 0): one block per segment of saved_seg chunks (chunks(n)
+  /// counts segments), the state entering the segment and the statistics at `saved_aoff`.
   void* saved = nullptr;
   bool save = false;
   const int64_t* saved_chunk0 = nullptr;  ///< [N + 1] prefix sums of chunks(n)
   int64_t saved_ld = 0, saved_pld = 0, saved_aoff = 0, saved_block = 0;
+  int64_t saved_seg = 0;  ///< 0: the full cache; else chunks per checkpoint
 
   /// First token and length of sequence n; its batch row; its state index.
   int64_t seq_begin(int64_t n) const { return cu_seqlens ? cu_seqlens[n] : 0; }

@@ -271,18 +271,23 @@ TrainingKey training_key(const Problem<T>& p) {
   return k;
 }
 
-/// Where the CPU chunkwise kernels put the saved activations of a validated problem.
-template <class T>
-TrainingLayout training_layout(const Problem<T>& p) {
-  const bool diag_pre = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
-  return TrainingLayout::of(p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre, sizeof(state_t<T>), p.N,
-                            p.T_, p.cu_seqlens);
-}
-
 /// Bytes of the training cache of a validated problem whose layout is `l`.
 template <class T>
 size_t training_bytes(const Problem<T>& p, const TrainingLayout& l) {
   return size_t(l.elements(p.HV)) * sizeof(state_t<T>);
+}
+
+/// Where the CPU chunkwise kernels put the saved activations of a validated problem: the full cache when
+/// it takes at most `max_full_bytes`, else the checkpoints.
+template <class T>
+TrainingLayout training_layout(const Problem<T>& p, size_t max_full_bytes) {
+  const bool diag_pre = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::diagonal_atq;
+  auto layout = [&](bool checkpoints) {
+    return TrainingLayout::of(p.K, p.V, p.chunk, p.spec.solve == solve::Kind::online, diag_pre, sizeof(state_t<T>),
+                              p.N, p.T_, p.cu_seqlens, checkpoints);
+  };
+  TrainingLayout full = layout(false);
+  return training_bytes(p, full) <= max_full_bytes ? full : layout(true);
 }
 
 /// Validates a forward call.
