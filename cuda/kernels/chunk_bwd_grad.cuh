@@ -256,6 +256,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
       for (int d = 1; d < 32; d <<= 1) spread = fmaxf(spread, __shfl_xor_sync(0xffffffffu, spread, d));
       if (lane == 0) s_fast[warp] = spread <= kDiagSpread<Op>;
     }
+    __syncthreads();  // the scaled tiles: the boundary term below reads Diag(beta) KW's
   } else {
     scale_rows<KP>(sKWb, sKW, LDK, C, [&](int r) { return s_beta[r]; });  // Diag(beta) KW
   }
@@ -277,7 +278,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
     // Per channel c of row i in block a: X1 times e^gamma_16a, X2 times -e^gamma_16a, X3 times
     // e^(gamma_C - gamma_16a+15) (each <= 1; the row factors e^(gamma_i - gamma_16a), e^(gamma_16a+15 -
     // gamma_i) follow phase 2). The last row's H r leaves X3 (gate-free); beta_i kw_i ⊙ Ed_i ⊙ (r H^T)_i
-    // (rows < L - 1) summed over the block's rows feeds the boundary term of dg per channel.
+    // (rows < L - 1) summed over the block's rows feeds the boundary term of dg per channel, formed as
+    // dgamma's minus half forms it: the scaled tile Diag(beta) KW ⊙ e^(gamma_16a+15 - gamma) times X3.
     float bs[NK][2];
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt) bs[nt][0] = bs[nt][1] = 0.f;
@@ -287,9 +289,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
       x2[nt][e] *= -es;
       if (i == L - 1) s_last[c] = x3[nt][e];
       if (i < L - 1) {
-        bs[nt][e & 1] =
-            fmaf(s_beta[i] * to_float(sKW[i * LDK + c]), x3[nt][e] * __expf(gC - sG[i * LDG + c]), bs[nt][e & 1]);
         x3[nt][e] *= __expf(gC - sG[(m0 + 15) * LDG + c]);
+        bs[nt][e & 1] = fmaf(to_float(sKWb[i * LDK + c]), x3[nt][e], bs[nt][e & 1]);
       } else {
         x3[nt][e] = 0.f;
       }
@@ -339,20 +340,30 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
   // blocks kb where Mq is not zero: kb <= a for X1, X2 (rows of block a), kb >= a for X3. Diagonal
   // decay: e^(gamma_i - gamma_j) = e^(gamma_i - gamma_16a) e^(gamma_16a - gamma_16b+15) e^(gamma_16b+15 -
   // gamma_j) (i in block a, j in block b): the outer factors are in the scaled tiles or follow, the
-  // middle one, per channel, scales the B fragments (<= 1 for b < a; the diagonal block b = a, up to
-  // e^spread, only when it spreads by <= kDiagSpread, else it is summed elementwise below).
+  // middle one, per channel, scales each block's product in float32 (the diagonal block b = a, up to
+  // e^spread, only when it spreads by <= kDiagSpread, else it is summed elementwise below). So a pair's
+  // two halves of dgamma are the same product Mq Qs KWb e^(middle), rounded alike (see the outputs).
   const int ab = m0 / 16;
   const bool dfast = !DIAG || s_fast[ab];
   const Op* sB3k = DIAG ? sKs : sKn;
   const Op* sB3q = DIAG ? sQs : sQr;
-  // Column of this lane's B fragments in n-tile nt; middle factor e^(gamma_s - gamma_e) on both registers.
-  auto mid = [&](uint32_t* f, int nt, int s_row, int e_row) {
-    if constexpr (DIAG) {
-      const int c = ck0 + 8 * nt + (lane >> 2);
-      const float m0f = __expf(sG[s_row * LDG + c] - sG[e_row * LDG + c]);
-      const float m1f = __expf(sG[s_row * LDG + c + 8] - sG[e_row * LDG + c + 8]);
-      const uint32_t p0 = pack2<Op>(m0f, m0f), p1 = pack2<Op>(m1f, m1f);
-      f[0] = mul2<Op>(f[0], p0), f[1] = mul2<Op>(f[1], p0), f[2] = mul2<Op>(f[2], p1), f[3] = mul2<Op>(f[3], p1);
+  // Diagonal decay: the middle factors e^(gamma_{s_row,c} - gamma_{e_row,c}) of this thread's accumulator
+  // columns c in n-tiles nt, nt + 1 (m[2 * (n - nt) + u]: n-tile n, column acc_col(., u)).
+  [[maybe_unused]] auto middle = [&](float* m, int nt, int s_row, int e_row) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int c = acc_col(ck0 + 8 * (nt + n), u);
+        m[2 * n + u] = __expf(sG[s_row * LDG + c] - sG[e_row * LDG + c]);
+      }
+  };
+  // acc += m t for one n-tile's accumulator (m: its two columns' factors), t zeroed after.
+  [[maybe_unused]] auto add_scaled = [](float* acc, float* t, const float* m) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[e] = fmaf(m[e & 1], t[e], acc[e]);
+      t[e] = 0.f;
     }
   };
 #pragma unroll 1
@@ -366,7 +377,21 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
       for (int nt = 0; nt < NK; nt += 2) {
         uint32_t fb[4];
         load_b_t(fb, sKWb, LDK, k0, ck0 + nt * 8);
-        mid(fb, nt, m0, k0 + 15);
+        if constexpr (DIAG) {  // the products apart, then times the middle factors in float32
+          float m[4], t[4] = {0.f, 0.f, 0.f, 0.f};
+          middle(m, nt, m0, k0 + 15);
+          mma<Op>(t, fq, fb);
+          add_scaled(x1[nt], t, m);
+          mma<Op>(t, fq, fb + 2);
+          add_scaled(x1[nt + 1], t, m + 2);
+          if (online) {
+            mma<Op>(t, fr, fb);
+            add_scaled(x2[nt], t, m);
+            mma<Op>(t, fr, fb + 2);
+            add_scaled(x2[nt + 1], t, m + 2);
+          }
+          continue;
+        }
         mma<Op>(x1[nt], fq, fb);
         mma<Op>(x1[nt + 1], fq, fb + 2);
         if (online) {
@@ -382,38 +407,63 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
 #pragma unroll
       for (int nt = 0; nt < NK; nt += 2) {
         uint32_t fb[4];
+        if constexpr (DIAG) {  // both products of an n-tile summed apart, then times the middle factors
+          float m[4], t0[4] = {0.f, 0.f, 0.f, 0.f}, t1[4] = {0.f, 0.f, 0.f, 0.f};
+          middle(m, nt, k0, m0 + 15);
+          if (online) {
+            load_b_t(fb, sB3k, LDK, k0, ck0 + nt * 8);
+            mma<Op>(t0, frt, fb);
+            mma<Op>(t1, frt, fb + 2);
+          }
+          load_b_t(fb, sB3q, LDK, k0, ck0 + nt * 8);
+          mma<Op>(t0, fqt, fb);
+          mma<Op>(t1, fqt, fb + 2);
+          add_scaled(x3[nt], t0, m);
+          add_scaled(x3[nt + 1], t1, m + 2);
+          continue;
+        }
         if (online) {
           load_b_t(fb, sB3k, LDK, k0, ck0 + nt * 8);
-          mid(fb, nt, k0, m0 + 15);
           mma<Op>(x3[nt], frt, fb);
           mma<Op>(x3[nt + 1], frt, fb + 2);
         }
         load_b_t(fb, sB3q, LDK, k0, ck0 + nt * 8);
-        mid(fb, nt, k0, m0 + 15);
         mma<Op>(x3[nt], fqt, fb);
         mma<Op>(x3[nt + 1], fqt, fb + 2);
       }
     }
   }
+  // Diagonal decay: dgamma per element, from the scaled tiles the products took (Qs, Ks on the rows'
+  // side, Diag(beta) KW on the columns' side), so that each pair cancels in the reverse sums of dg.
+  float dgd[NK][4];
   if constexpr (DIAG) {
-    // The row factors, then (strong decay) the diagonal block elementwise from the undecayed tiles.
+    // dgamma's tensor-core part, then the row factors, then (strong decay) the diagonal block
+    // elementwise from the undecayed tiles, into X1 .. X3 and dgamma alike.
     each_x([&](int, int i, int nt, int e, int c) {
+      dgd[nt][e] = to_float(sQs[i * LDK + c]) * x1[nt][e] + to_float(sKs[i * LDK + c]) * x2[nt][e] -
+                   to_float(sKWb[i * LDK + c]) * x3[nt][e];
       const float gi = sG[i * LDG + c];
       const float us = __expf(gi - sG[m0 * LDG + c]);
       x1[nt][e] *= us;
       x2[nt][e] *= us;
       x3[nt][e] *= __expf(sG[(m0 + 15) * LDG + c] - gi);
       if (dfast) return;
+      float e1 = 0.f, e2 = 0.f, e3 = 0.f;
       for (int j = m0; j < i; ++j) {
         const float f = __expf(gi - sG[j * LDG + c]) * s_beta[j] * to_float(sKW[j * LDK + c]);
-        x1[nt][e] = fmaf(to_float(sMq[i * LDC + j]), f, x1[nt][e]);
-        if (online) x2[nt][e] = fmaf(to_float(sMr[i * LDC + j]), f, x2[nt][e]);
+        e1 = fmaf(to_float(sMq[i * LDC + j]), f, e1);
+        if (online) e2 = fmaf(to_float(sMr[i * LDC + j]), f, e2);
       }
       for (int l = i + 1; l < m0 + 16; ++l) {
         float y = to_float(sMq[l * LDC + i]) * to_float(sQr[l * LDK + c]);
         if (online) y = fmaf(to_float(sMr[l * LDC + i]), to_float(sKn[l * LDK + c]), y);
-        x3[nt][e] = fmaf(y, __expf(sG[l * LDG + c] - gi), x3[nt][e]);
+        e3 = fmaf(y, __expf(sG[l * LDG + c] - gi), e3);
       }
+      x1[nt][e] += e1;
+      x2[nt][e] += e2;
+      x3[nt][e] += e3;
+      dgd[nt][e] += to_float(sQr[i * LDK + c]) * e1 + to_float(sKn[i * LDK + c]) * e2 -
+                    s_beta[i] * to_float(sKW[i * LDK + c]) * e3;
     });
     __syncthreads();  // phase 2's reads of the scaled tiles are done: dgamma takes their place
   }
@@ -441,12 +491,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) bwd_grad_kernel(const ChunkAr
         // that each pair (j < i) enters dgamma_i and -dgamma_j as the same product and the reverse sum over
         // the chunk cancels it to float32 rounding (beta kw rounded once more here would leave a 16-bit
         // residual per pair, which the sums over tokens of dg, the gate parameters' gradients, accumulate).
-        const float kwb = DIAG ? kw * bi : to_float(sKWb[i * LDK + c]);
-        const float dgam = qr * x1[nt][e] + kn * dkn - kwb * x3[nt][e];
         if constexpr (DIAG)
-          sDG[i * LDG + c] = ok ? dgam : 0.f;
+          sDG[i * LDG + c] = ok ? dgd[nt][e] : 0.f;
         else
-          dgr[hr] += dgam;
+          dgr[hr] += qr * x1[nt][e] + kn * dkn - to_float(sKWb[i * LDK + c]) * x3[nt][e];
         const float dqr = fmaf(di * bi, kw, x1[nt][e]);
         const float P = fmaf(di, qr, x3[nt][e]) + (i == L - 1 ? s_last[c] : 0.f);
         dbr[hr] = fmaf(kw, P, dbr[hr]);

@@ -110,25 +110,31 @@ def test_cuda_graph_on_torch_capture_stream():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_cuda_gate_parameter_gradients():
-    """The gate parameters' gradients (A_log, dt_bias: sums of dg over every token) of Gated DeltaNet in bfloat16,
-    at Qwen3-Next's initialisation (mostly strong decay), against the float64 gold: the in-chunk pair terms of
-    dg must cancel in the chunk's reverse sum (a 16-bit residual per pair gave 0.4 - 0.85 relative error in
-    A_log's gradient; python/scripts/gate_grad_error.py measures the whole grid)."""
+@pytest.mark.parametrize("model,limit", [("gdn", 0.1), ("kda", 0.03)])
+def test_cuda_gate_parameter_gradients(model, limit):
+    """The gate parameters' gradients (A_log, dt_bias: sums of dg over every token) of Gated DeltaNet and KDA in
+    bfloat16, at Qwen3-Next's initialisation (mostly strong decay), against the float64 gold: the in-chunk pair
+    terms of dg must cancel in the chunk's reverse sum (a 16-bit residual per pair gave 0.4 - 0.85 relative error
+    in GDN's A_log gradient, 6e-2 - 1.2e-1 in KDA's; python/scripts/gate_grad_error.py measures the grid)."""
     gen = torch.Generator().manual_seed(3)
     B, T, H, HV, K = 2, 256, 4, 8, 128
+    kda = model == "kda"
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     bf = lambda x: x.to(torch.bfloat16).double()
-    leaves = [bf(r(B, T, H, K)), bf(r(B, T, H, K)), bf(r(B, T, HV, K)), r(B, T, HV), r(B, T, HV),
-              (16 * torch.rand(HV, generator=gen, dtype=torch.float64)).clamp_min(1e-3).log(),
-              torch.ones(HV, dtype=torch.float64)]
+    leaves = [bf(r(B, T, H, K)), bf(r(B, T, H, K)), bf(r(B, T, HV, K)), r(B, T, HV, K) if kda else r(B, T, HV),
+              r(B, T, HV), (16 * torch.rand(HV, generator=gen, dtype=torch.float64)).clamp_min(1e-3).log(),
+              torch.ones(HV * K if kda else HV, dtype=torch.float64)]
     dO = bf(r(B, T, HV, K))
+    fn = dt.chunk_kda if kda else dt.chunk_gated_delta_rule
 
     def run(dev, io, gd):
         t = [x.detach().to(dev, io).clone().requires_grad_() for x in leaves[:3]]
         p = [x.detach().to(dev, gd).clone().requires_grad_() for x in leaves[3:]]
-        g = -p[2].exp() * F.softplus(p[0] + p[3])
-        o = dt.chunk_gated_delta_rule(*t, g, torch.sigmoid(p[1]), use_qk_l2norm_in_kernel=True)[0]
+        if kda:
+            g = -p[2].exp().view(HV, 1) * F.softplus(p[0] + p[3].view(HV, K))
+        else:
+            g = -p[2].exp() * F.softplus(p[0] + p[3])
+        o = fn(*t, g, torch.sigmoid(p[1]), use_qk_l2norm_in_kernel=True)[0]
         (o.to(gd) * dO.to(dev, gd)).sum().backward()
         return p[2].grad.cpu().double(), p[3].grad.cpu().double()
 
@@ -136,4 +142,4 @@ def test_cuda_gate_parameter_gradients():
     got = run("cuda", torch.bfloat16, torch.float32)
     for name, a, b in zip(("dA_log", "ddt_bias"), got, gold):
         err = float((a - b).norm() / b.norm())
-        assert err < 0.1, f"{name}: relative L2 error {err:.3e} to the float64 gold (limit 0.1)"
+        assert err < limit, f"{model} {name}: relative L2 error {err:.3e} to the float64 gold (limit {limit})"

@@ -2,9 +2,10 @@
 /// (and, from test_cuda_backward.cpp, the backward pass).
 ///
 /// Skips (exit 0, with a message) when no GPU is present, so CI can build it without a GPU.
-/// `--quick` runs the conformance cases and one small random case only (for compute-sanitizer);
-/// `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases); `--exact` only the
-/// exact preconditioners' tests (test_cuda_exact.cpp; with `--quick` their small shapes).
+/// `--quick` runs the conformance cases, one small random case and the backward's gate sums only (for
+/// compute-sanitizer); `--kw-state` only the cases of the write keys formed by the state pass (kw_state_cases);
+/// `--exact` only the exact preconditioners' tests (test_cuda_exact.cpp; with `--quick` their small shapes);
+/// `--backward` only the backward's tests (test_cuda_backward.cpp; with `--quick` its quick set).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -941,10 +942,11 @@ int main(int argc, char** argv) {
     std::printf("SKIP: no CUDA GPU available; dgps::cuda GPU tests not run (plan names: %d failure(s))\n", g_failures);
     return g_failures ? 1 : 0;
   }
-  bool quick = false, exact_only = false;
+  bool quick = false, exact_only = false, backward_only = false;
   for (int i = 1; i < argc; ++i) {
     quick = quick || std::string(argv[i]) == "--quick";
     exact_only = exact_only || std::string(argv[i]) == "--exact";
+    backward_only = backward_only || std::string(argv[i]) == "--backward";
   }
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "device properties");
@@ -954,6 +956,11 @@ int main(int argc, char** argv) {
   try {
     if (exact_only) {
       exact_tests(ws, quick);
+      std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
+      return g_failures ? 1 : 0;
+    }
+    if (backward_only) {
+      backward_tests(ws, quick);
       std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
       return g_failures ? 1 : 0;
     }
