@@ -262,6 +262,12 @@ TEST_CASE("training cache: size, reuse, and the paths that save nothing") {
   // a partial chunk taking a whole chunk's block (2 chunks of 64 here).
   const size_t expect = size_t(2 * 2 * 64) * 1792;
   CHECK(dgps::training_cache_bytes<dgps::GDN>(bench.in(), opt) == expect);
+  // Up to max_full_bytes the full cache; above it the checkpoints: one 4096-token segment per value head here,
+  // K x V floats each.
+  const size_t checkpoints = size_t(2 * 128 * 128) * 4;
+  CHECK(dgps::training_cache_bytes<dgps::GDN>(bench.in(), opt, expect) == expect);
+  CHECK(dgps::training_cache_bytes<dgps::GDN>(bench.in(), opt, expect - 1) == checkpoints);
+  CHECK(dgps::training_cache_bytes<dgps::GDN>(bench.in(), opt, 0) == checkpoints);
   std::vector<float> gp(size_t(c.shape.time * c.shape.heads), -0.1f), bp(gp.size(), 0.5f);
   CHECK(
       dgps::training_cache_bytes<dgps::MesaLayer>(
