@@ -103,7 +103,10 @@ int run(int64_t T, int64_t H, int64_t K, bool bwd, int threads, int reps, int ra
   };
   dgps::distributed::ThreadGroup group(ranks);
   if (bwd && use) {
-    if (o.empty()) o.resize(static_cast<size_t>(tok * V)), tensors += double(tok * V) * 4;
+    if (o.empty()) {  // the saving forward writes o
+      o.resize(static_cast<size_t>(tok * V));
+      tensors += double(tok * V) * 4;
+    }
     call(0, T, nullptr, opt, true);
     if (!cache.filled()) {
       std::fprintf(stderr, "dgps_bench_long: the forward saved nothing\n");
