@@ -319,6 +319,36 @@ TEST_CASE("serve: fixed-length decode with slots, out_slots aliasing and bfloat1
   CHECK(std::equal(pool.h.begin() + pool.hs, pool.h.begin() + 2 * pool.hs, before.h.begin() + pool.hs));  // slot 1
 }
 
+TEST_CASE("serve: scattered slots on two threads give the one-thread results bit for bit") {
+  // The decode runs the sequences in the order of their slots (dispatch.cpp); large enough (K = V = 64)
+  // to run on two threads. Slots descending and scattered, one padding sequence, one writing elsewhere.
+  using R = dgps::PGDN;
+  const int64_t N = 6, H = 2, HV = 4, K = 64, V = 64, P = 9;
+  const dgps::Shape shape{.batch = N, .time = 1, .heads = H, .v_heads = HV, .key_dim = K, .value_dim = V};
+  Gen gen;
+  gen.h0 = gen.a0 = false;
+  const Case c = random_case(dgps::spec_of<R>(), shape, {}, 3761, gen);
+  CaseTensors<float> ct(c);
+  auto in = dgps::inputs<float>(shape, ct.p("q"), ct.p("k"), ct.p("v"));
+  in.decay(ct.p("g")).gain(ct.p("beta")).precond(ct.p("g_p"), ct.p("beta_p"), ct.p("center"));
+  const std::vector<int64_t> slots{8, 2, 7, -1, 0, 5}, outs{8, 2, 1, -1, 0, 5};
+  std::vector<std::vector<float>> o(2), h(2), a(2);
+  for (int threads : {1, 2}) {
+    Pool<float> pool(c.spec, P, shape, 3762);
+    std::vector<float> out(static_cast<size_t>(N * HV * V), 1.0f);
+    auto st = pool.state<float>();
+    st.slots = dgps::view(slots.data(), {N});
+    st.out_slots = dgps::view(outs.data(), {N});
+    dgps::decode<R>(st, in, out.data(), on(dgps::Backend::cpu, threads));
+    o[threads - 1] = out, h[threads - 1] = pool.h, a[threads - 1] = pool.a;
+  }
+  CHECK(o[0] == o[1]);
+  CHECK(h[0] == h[1]);
+  CHECK(a[0] == a[1]);
+  const Pool<float> before(c.spec, P, shape, 3762);
+  CHECK(h[0] != before.h);
+}
+
 TEST_CASE("serve: validation names the tensor and writes nothing") {
   using R = dgps::PGDN;
   const int64_t N = 2, H = 1, K = 4, V = 3, P = 3;
