@@ -5,9 +5,11 @@
 /// [P, HV, K, V] (P >= 4B, far larger than the caches) with (a) dense states: a contiguous window of B states
 /// passed as [B, HV, K, V] without slots, and (b) B random distinct slots; both are redrawn every step, so
 /// neither finds the states that the previous step left in cache (a hot dense state would only measure the
-/// cache); dense and pooled steps alternate. Prints the ratio pool / dense. Median of `--reps` runs of `--steps` steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S]
+/// cache); and (c) the same random slots of a K-last pool [P, HV, V, K] (DecodeState::layout). The three kinds of
+/// step alternate. Prints the ratios pool / dense and K-last pool / dense. Median of `--reps` runs of `--steps` steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S]
 /// [--pool P] [--heads H]; K = V = 128, HV = H.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -44,8 +46,9 @@ struct Buf {
   Buf& operator=(const Buf&) = delete;
 };
 
+/// Median us per step of (dense, pool, K-last pool).
 template <class R>
-std::pair<double, double> median_step_us(const Config& c, int64_t B, uint64_t seed) {
+std::array<double, 3> median_step_us(const Config& c, int64_t B, uint64_t seed) {
   constexpr bool precond = !std::is_same_v<typename R::precond_type, dgps::precond::Identity>;
   const int64_t H = c.heads, K = 128, V = 128, P = std::max(c.pool, 4 * B);
   const dgps::Shape s{.batch = B, .time = 1, .heads = H, .v_heads = H, .key_dim = K, .value_dim = V};
@@ -69,13 +72,15 @@ std::pair<double, double> median_step_us(const Config& c, int64_t B, uint64_t se
   dgps::Options opt;
   opt.backend = dgps::Backend::cpu;
   opt.threads = c.threads;
-  std::vector<double> times[2];
+  std::vector<double> times[3];
   for (int r = 0; r < c.reps + 1; ++r) {
-    double total[2] = {0, 0};
-    for (int st = 0; st < 2 * c.steps; ++st) {
-      const bool pooled = st % 2 == 1;  // dense and pooled steps alternate: drifts of a shared machine cancel
+    double total[3] = {0, 0, 0};
+    for (int st = 0; st < 3 * c.steps; ++st) {
+      const int kind = st % 3;  // dense, pool, K-last pool alternate: drifts of a shared machine cancel
+      const bool pooled = kind > 0;
       dgps::DecodeState<float> ds;
-      ds.h = dgps::view(h.p, {P, H, K, V});
+      ds.h = kind == 2 ? dgps::view(h.p, {P, H, V, K}) : dgps::view(h.p, {P, H, K, V});
+      if (kind == 2) ds.layout = dgps::StateLayout::k_last;
       if constexpr (precond) ds.a = dgps::view(a.p, {P, H, K});
       if (!pooled) {  // a window of B contiguous states, as a dense [B, ...] state
         const int64_t w = int64_t(rng() % uint64_t(P / B)) * B;
@@ -88,22 +93,23 @@ std::pair<double, double> median_step_us(const Config& c, int64_t B, uint64_t se
       }
       const auto t0 = Clock::now();
       dgps::decode<R>(ds, in, o.data(), opt);
-      total[pooled] += std::chrono::duration<double>(Clock::now() - t0).count();
+      total[kind] += std::chrono::duration<double>(Clock::now() - t0).count();
     }
     if (r > 0)  // the first round warms up
-      for (int i = 0; i < 2; ++i) times[i].push_back(total[i] / c.steps * 1e6);
+      for (int i = 0; i < 3; ++i) times[i].push_back(total[i] / c.steps * 1e6);
   }
   for (auto& t : times) std::sort(t.begin(), t.end());
-  return {times[0][times[0].size() / 2], times[1][times[1].size() / 2]};
+  return {times[0][times[0].size() / 2], times[1][times[1].size() / 2], times[2][times[2].size() / 2]};
 }
 
 template <class R>
 void run(const char* name, const Config& c) {
   for (int64_t B : {1, 8, 32}) {
-    const auto [dense, pool] = median_step_us<R>(c, B, 1);
-    std::printf("%-5s B=%-3lld P=%-4lld dense %9.1f us/step  pool %9.1f us/step  pool/dense %.3f  (%.0f tokens/s)\n",
-                name, static_cast<long long>(B), static_cast<long long>(std::max(c.pool, 4 * B)), dense, pool,
-                pool / dense, double(B) / (pool * 1e-6));
+    const auto [dense, pool, k_last] = median_step_us<R>(c, B, 1);
+    std::printf("%-5s B=%-3lld P=%-4lld dense %9.1f us/step  pool %9.1f  K-last pool %9.1f  pool/dense %.3f  "
+                "K-last/dense %.3f  (%.0f tokens/s)\n",
+                name, static_cast<long long>(B), static_cast<long long>(std::max(c.pool, 4 * B)), dense, pool, k_last,
+                pool / dense, k_last / dense, double(B) / (pool * 1e-6));
   }
 }
 

@@ -93,9 +93,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   for (int64_t j = 0; j < nh; ++j) {
     const int64_t hv = hv0 + j, h = hv / s.r;
     if (p.h0.data && ri >= 0) {
-      const T* h0 = cptr<T>(p.h0) + ri * p.h0.stride[0] + hv * p.h0.stride[1] + v0;
-      for (int64_t c = 0; c < K; ++c)
-        std::memcpy(Sg + j * nS + c * ldv, h0 + c * p.h0.stride[2], size_t(Vd) * sizeof(T));
+      const T* h0 = cptr<T>(p.h0) + ri * p.h0.stride[0] + hv * p.h0.stride[1] + v0 * p.h0.stride[3];
+      state_in(h0, p.h0.stride[2], p.h0.stride[3], K, Vd, Sg + j * nS, ldv);  // K-major or K-last
     }
     if (s.diag_pre && p.a0.data && ri >= 0) {
       const T* a0 = cptr<T>(p.a0) + ri * p.a0.stride[0] + h * p.a0.stride[1];
@@ -384,9 +383,8 @@ void chunk_task_t(const KernelParams& p, int64_t task, int64_t vsplit, int64_t g
   for (int64_t j = 0; j < nh; ++j) {
     const int64_t hv = hv0 + j, h = hv / s.r;
     if (p.hT.data && wi >= 0) {
-      T* hT = s.state(p.hT, wi, hv) + v0;
-      for (int64_t c = 0; c < K; ++c)
-        std::memcpy(hT + c * p.hT.stride[2], Sg + j * nS + c * ldv, size_t(Vd) * sizeof(T));
+      T* hT = s.state(p.hT, wi, hv) + v0 * p.hT.stride[3];
+      state_out(Sg + j * nS, ldv, K, Vd, hT, p.hT.stride[2], p.hT.stride[3]);
     }
     if (s.diag_pre && p.aT.data && wi >= 0 && hv % s.r == 0 && vb == 0) {
       T* aT = mptr<T>(p.aT) + wi * p.aT.stride[0] + h * p.aT.stride[1];

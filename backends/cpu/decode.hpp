@@ -12,6 +12,7 @@
 #include "setup.hpp"
 #include "simd.hpp"
 #include "squash_simd.hpp"
+#include "transpose.hpp"
 #include "vmath.hpp"
 
 namespace dgps::cpu::kernels::DGPS_ISA_NS {
@@ -312,8 +313,10 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   }
   // Speculative verification (token_slots), or no state written (a forward without hT): the states run
   // in scratch (copied out after every token for verification); otherwise each is updated in place in
-  // its output slot.
+  // its output slot. A K-last pool (h0 / hT strided in V: rows of K per value column) keeps its layout in
+  // place and in scratch, and runs the row sweep below (sweep_k_last).
   const int64_t* tslots = p.token_slots ? p.token_slots + n * p.token_ld : nullptr;
+  const bool k_last = (p.h0.data && p.h0.stride[3] != 1) || (p.hT.data && p.hT.stride[3] != 1);
   const bool exact = p.spec.precond == precond::Kind::exact_atk || p.spec.precond == precond::Kind::exact_atq;
   const bool key_target = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::exact_atk;
   const bool query_target = p.spec.precond == precond::Kind::diagonal_atq || p.spec.precond == precond::Kind::exact_atq;
@@ -324,8 +327,11 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   // bf16/f16: the value rows converted to float (TB * r rows) and one output row staged for rounding.
   constexpr bool half = !std::is_same_v<In, T>;
   const int64_t nvc = half ? TB * r * Vp + Vp : 0;
-  const int64_t nsc = scratch_state ? r * K * Vp : 0;
-  SmallScratch<T> mem(Kp + 4 * Kp + TB * per_tok + TB * r * per_head + 3 * Vp + TB * r + 3 * TB + nvc + nsc);
+  const int64_t nsc1 = k_last ? Vp * Kp : K * Vp;  // one value head's state in scratch
+  const int64_t nsc = scratch_state ? r * nsc1 : 0;
+  constexpr int L = Vec<T>::L;
+  const int64_t nxr = k_last ? L * Kp + 4 * L : 0;  // K-last: one group of L state rows, staged v, o and u
+  SmallScratch<T> mem(Kp + 4 * Kp + TB * per_tok + TB * r * per_head + 3 * Vp + TB * r + 3 * TB + nvc + nsc + nxr);
   T* Ast = mem.base;  // diagonal statistics A
   T* work = Ast + Kp;
   T* tokv = work + 4 * Kp;
@@ -339,7 +345,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   T* gb = ga + TB;
   T* vcv = gb + TB;  // half inputs: v rows as float, then the staged o row
   T* ocv = vcv + TB * r * Vp;
-  T* Ssc = vcv + nvc;  // scratch states: r of K rows of Vp
+  T* Ssc = vcv + nvc;  // scratch states: r of K rows of Vp (K-last: Vp rows of Kp)
+  T* Xg = Ssc + nsc;   // K-last: L state rows of Kp, then v, o and u of the group (L each)
   SmallScratch<PGram> pmem(exact ? ExactPre<T, PGram>::elems(K) : 0);
   ExactPre<T, PGram> ex(pmem.base, K, key_target);
 
@@ -355,17 +362,101 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   const PGram* Pout = exact ? ex.P : nullptr;
 
   // The states: each value head's from h0 (or zero), in its output slot or in scratch.
-  auto state_of = [&](int64_t j) { return scratch_state ? Ssc + j * K * Vp : s.state(p.hT, wi, h * r + j); };
+  auto state_of = [&](int64_t j) { return scratch_state ? Ssc + j * nsc1 : s.state(p.hT, wi, h * r + j); };
   const int64_t ds = scratch_state ? Vp : p.hT.stride[2];
-  for (int64_t j = 0; j < r; ++j) {
+  const int64_t lde = scratch_state ? Kp : p.hT.data ? p.hT.stride[3] : 0;  // K-last: row stride of the state
+  for (int64_t j = 0; k_last && j < r; ++j) {
     const T* src = p.h0.data && ri >= 0 ? s.state(p.h0, ri, h * r + j) : nullptr;
     T* S = state_of(j);
-    const int64_t ss = p.h0.stride[2];
+    for (int64_t e = 0; e < Vd && src != S; ++e) {
+      if (src)
+        std::memcpy(S + e * lde, src + e * p.h0.stride[3], size_t(K) * sizeof(T));
+      else
+        std::memset(static_cast<void*>(S + e * lde), 0, size_t(K) * sizeof(T));
+    }
+  }
+  for (int64_t j = 0; !k_last && j < r; ++j) {
+    const T* src = p.h0.data && ri >= 0 ? s.state(p.h0, ri, h * r + j) : nullptr;
+    T* S = state_of(j);
     if (!src)
       for (int64_t c = 0; c < K; ++c) std::memset(static_cast<void*>(S + c * ds), 0, size_t(Vd) * sizeof(T));
     else if (src != S)
-      for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * ds, src + c * ss, size_t(Vd) * sizeof(T));
+      state_in(src, p.h0.stride[2], p.h0.stride[3], K, Vd, S, ds);
   }
+
+  // K-last state sweep of value head j over the block's tokens [tb0, tb0 + nt): value columns (state rows of K)
+  // are independent (SPEC §2), so groups of L rows run every token of the block while they stay in L1: per
+  // token, the two reads S^T ck and S^T cq as L dot products reduced together (lane_sums), then u, o and the
+  // write S_t = Diag(fac) S + kw u^T row by row. The pool is read and written once per block, as in place.
+  auto sweep_k_last = [&](int64_t j, int64_t tb0, int64_t nt) {
+    using VT = typename Vec<T>::type;
+    const int64_t hvj = h * r + j, nv = Kp / L;
+    T* S = state_of(j);
+    T* vs = Xg + L * Kp;
+    T* os = vs + L;
+    T* us = os + L;
+    // With K a whole number of vectors the rows are swept where they are; otherwise through Xg, zero-padded.
+    const bool direct = K == Kp;
+    T* rows[L];
+    for (int64_t e0 = 0; e0 < Vd; e0 += L) {
+      const int64_t nl = imin(L, Vd - e0);
+      for (int64_t l = 0; l < L; ++l) {  // rows past Vd read zeros and are not written
+        rows[l] = direct && l < nl ? S + (e0 + l) * lde : Xg + l * Kp;
+        if (direct && l < nl) continue;
+        if (l < nl) std::memcpy(Xg + l * Kp, S + (e0 + l) * lde, size_t(K) * sizeof(T));
+        else std::memset(static_cast<void*>(Xg + l * Kp), 0, size_t(Kp) * sizeof(T));
+      }
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t ti = t0 + tb0 + i;
+        const T* fac = headv + (i * r + j) * per_head;
+        const T* ck = fac + Kp;
+        const T* cq = ck + Kp;
+        const T* kw = tokv + i * per_tok + 3 * Kp;
+        // RB rows at a time, the key vectors outer: 2 RB independent accumulation chains.
+        constexpr int RB = L < 4 ? L : 4;
+        VT a1[L], a2[L];
+        for (int l0 = 0; l0 < L; l0 += RB) {
+          VT s1[RB], s2[RB];
+          for (int l = 0; l < RB; ++l) s1[l] = s2[l] = VT{};
+          for (int64_t v = 0; v < nv; ++v) {
+            const VT cv = vload(ck + v * L), qv = vload(cq + v * L);
+            for (int l = 0; l < RB; ++l) {
+              const VT x = vload(rows[l0 + l] + v * L);
+              s1[l] = vfma<T>(x, cv, s1[l]);
+              s2[l] = vfma<T>(x, qv, s2[l]);
+            }
+          }
+          for (int l = 0; l < RB; ++l) a1[l0 + l] = s1[l], a2[l0 + l] = s2[l];
+        }
+        const VT y1 = lane_sums<T>(a1), y2 = lane_sums<T>(a2);
+        if constexpr (half)
+          std::memcpy(vs, vcv + (i * r + j) * Vp + e0, size_t(nl) * sizeof(T));
+        else
+          std::memcpy(vs, s.vrow(b, ti, hvj) + e0, size_t(nl) * sizeof(T));
+        for (int64_t l = nl; l < L; ++l) vs[l] = 0;
+        const VT u = vsplat(bet[i * r + j]) * (vload(vs) - (s.online ? y1 : VT{}));
+        vstore(us, u);
+        vstore(os, y2 + vsplat(kqv[i]) * u);
+        if constexpr (half)
+          store_cvt(os, nl, s.orow(b, ti, hvj) + e0);
+        else
+          std::memcpy(s.orow(b, ti, hvj) + e0, os, size_t(nl) * sizeof(T));
+        for (int64_t l = 0; l < nl; ++l) {
+          const VT ul = vsplat(us[l]);
+          for (int64_t v = 0; v < nv; ++v) {
+            T* x = rows[l] + v * L;
+            vstore(x, vfma<T>(vload(fac + v * L), vload(x), ul * vload(kw + v * L)));
+          }
+        }
+        if (tslots && tslots[tb0 + i] >= 0) {  // the state after token t, rows [e0, e0 + nl)
+          T* dst = s.state(p.hT, tslots[tb0 + i], hvj);
+          for (int64_t l = 0; l < nl; ++l)
+            std::memcpy(dst + (e0 + l) * p.hT.stride[3], rows[l], size_t(K) * sizeof(T));
+        }
+      }
+      for (int64_t l = 0; l < nl && !direct; ++l) std::memcpy(S + (e0 + l) * lde, Xg + l * Kp, size_t(K) * sizeof(T));
+    }
+  };
 
   for (int64_t tb0 = 0; tb0 < Tn; tb0 += TB) {
     const int64_t nt = imin(TB, Tn - tb0);
@@ -429,7 +520,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
       }
     }
 
-    for (int64_t j = 0; j < r; ++j) {
+    for (int64_t j = 0; k_last && j < r; ++j) sweep_k_last(j, tb0, nt);
+    for (int64_t j = 0; !k_last && j < r; ++j) {
       const int64_t hvj = h * r + j;
       T* S = state_of(j);
       // Value columns are independent (SPEC §2): run the block's tokens on one block of kDecodeCols
@@ -472,9 +564,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
             write2(S, ds, K, e0, e1, fac, kw, u, nf ? nf + Kp : nullptr, nf ? nf + 2 * Kp : nullptr, y1, y2);
           }
           if (tslots && tslots[tb0 + i] >= 0) {  // the state after token t, columns [e0, e1)
-            T* dst = s.state(p.hT, tslots[tb0 + i], hvj);
-            for (int64_t c = 0; c < K; ++c)
-              std::memcpy(dst + c * p.hT.stride[2] + e0, S + c * ds + e0, size_t(e1 - e0) * sizeof(T));
+            T* dst = s.state(p.hT, tslots[tb0 + i], hvj) + e0 * p.hT.stride[3];
+            state_out(S + e0, ds, K, e1 - e0, dst, p.hT.stride[2], p.hT.stride[3]);
           }
         }
       }

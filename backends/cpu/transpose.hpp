@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "simd.hpp"
 
@@ -120,6 +121,34 @@ void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, in
   }
 #endif
   transpose_quads(rows, cols, src, lds, dst, ldd);
+}
+
+/// A state block [K, n] of a pool view into K-major rows dst (row stride ld): the view's element (c, e) is at
+/// src[c * rs + e * cs]. cs == 1 (K-major pool): rows copied; rs == 1 (K-last pool): transposed from its n
+/// rows of K; otherwise (only a one-column view can have neither) element by element.
+template <class T>
+void state_in(const T* src, int64_t rs, int64_t cs, int64_t K, int64_t n, T* dst, int64_t ld) {
+  if (cs == 1) {
+    for (int64_t c = 0; c < K; ++c) std::memcpy(dst + c * ld, src + c * rs, size_t(n) * sizeof(T));
+  } else if (rs == 1) {
+    transpose(n, K, src, cs, dst, ld);
+  } else {
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t e = 0; e < n; ++e) dst[c * ld + e] = src[c * rs + e * cs];
+  }
+}
+
+/// The inverse of state_in: K-major rows src (row stride ld) [K, n] into the pool view at dst.
+template <class T>
+void state_out(const T* src, int64_t ld, int64_t K, int64_t n, T* dst, int64_t rs, int64_t cs) {
+  if (cs == 1) {
+    for (int64_t c = 0; c < K; ++c) std::memcpy(dst + c * rs, src + c * ld, size_t(n) * sizeof(T));
+  } else if (rs == 1) {
+    transpose(K, n, src, ld, dst, cs);
+  } else {
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t e = 0; e < n; ++e) dst[c * rs + e * cs] = src[c * ld + e];
+  }
 }
 
 }  // namespace

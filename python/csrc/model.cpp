@@ -101,7 +101,10 @@ void DGPS_TORCH_CAT(decode_, DGPS_TORCH_MODEL)(const Args& a, const Tensor& o, c
     using T = decltype(tag);
     using S = dgps::state_t<T>;
     dgps::DecodeState<T> st;
-    st.h = view_of<S>(h);
+    // A pool [P, HV, K, V] strided in V with K contiguous is the transpose of a K-last pool [P, HV, V, K].
+    const bool k_last = h.dim() == 4 && h.size(3) > 1 && h.stride(3) != 1 && h.stride(2) == 1;
+    st.h = view_of<S>(k_last ? h.transpose(2, 3) : h);
+    if (k_last) st.layout = dgps::StateLayout::k_last;
     st.a = maybe<S>(st_a);
     st.slots = maybe<const int64_t>(ix.slots);
     st.out_slots = maybe<const int64_t>(ix.out_slots);

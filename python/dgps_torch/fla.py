@@ -120,10 +120,10 @@ def _ret2(o, ht, out):
     return o, (ht if out else None)
 
 
-def _pool_layout(fn, v_first):
-    if v_first:
-        raise NotImplementedError(f"{RCP}.{fn}: a state pool in the V-major layout (state_v_first / "
-                                  "transpose_state_layout) is not supported; pass [P, HV, K, V]")
+def _pool_view(pool, v_first):
+    """The state pool as pool_recurrence takes it: [P, HV, K, V]; a K-last pool (FLA's state_v_first,
+    [P, HV, V, K]) as its transposed view, updated in place through it."""
+    return pool.transpose(-1, -2) if v_first else pool
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -146,10 +146,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         g = _gdn_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"))
     beta = _beta(fn, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if initial_state_indices is not None:
-        _pool_layout(fn, v_first)
         if initial_state is None:
             raise ValueError(f"{RCP}.{fn}: initial_state_indices needs initial_state (the state pool [P, HV, K, V])")
-        o = pool_recurrence("gdn", q, k, v, initial_state, g=g, beta=beta, slots=initial_state_indices,
+        o = pool_recurrence("gdn", q, k, v, _pool_view(initial_state, v_first), g=g, beta=beta, slots=initial_state_indices,
                             has_initial=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
                             l2norm_qk=use_qk_l2norm_in_kernel)
         return o, initial_state
@@ -195,9 +194,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     else:
         model, gate = "dn", None
     if ssm_state_indices is not None:
-        _pool_layout(fn, v_first)
         pool, ix = vllm_indices(fn, q, initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state)
-        o = pool_recurrence(model, q, k, v, pool, g=gate, beta=beta, cu_seqlens=cu_seqlens, scale=scale,
+        o = pool_recurrence(model, q, k, v, _pool_view(pool, v_first), g=gate, beta=beta, cu_seqlens=cu_seqlens, scale=scale,
                             l2norm_qk=use_qk_l2norm_in_kernel, **ix)
         return o, pool
     if num_accepted_tokens is not None:

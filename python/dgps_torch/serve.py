@@ -23,7 +23,9 @@ def pool_recurrence(model, q, k, v, state_pool, g=None, beta=None, g_p=None, bet
                     backend="automatic", algorithm="automatic"):
     """Runs model `model` over new tokens of a batch of sequences whose states live in a pool; returns o.
 
-    `state_pool` [P, HV, K, V] (float32, or float64 for float64 inputs) and, for the preconditioned models,
+    `state_pool` [P, HV, K, V] (float32, or float64 for float64 inputs; contiguous in V, or in K: the transposed
+    view of a K-last pool [P, HV, V, K], `pool.transpose(-1, -2)`, which is used as it is) and, for the
+    preconditioned models,
     `precond_pool` [P, H, K] / [P, H, K, K] are updated in place. q, k [B, T, H, K] (or packed with
     `cu_seqlens` [N+1], B = 1), v [B, T, HV, V], gates as in `recurrence`. Indices (any integer dtype):
     - `slots` [N]: sequence n starts from state slots[n] and writes its final state back there (or to
@@ -41,10 +43,13 @@ def pool_recurrence(model, q, k, v, state_pool, g=None, beta=None, g_p=None, bet
     out_dtype = q.dtype
     qd, gd = _compute_dtypes(q, k, v, (g, beta, g_p, beta_p, center))
     sd = torch.float64 if qd == torch.float64 else torch.float32
-    for name, pool in (("state pool", state_pool), ("preconditioner pool", precond_pool)):
-        if pool is not None and (pool.dtype != sd or pool.device.type != "cpu" or pool.stride(-1) != 1):
-            raise ValueError(f"dgps: the {name} must be a CPU {sd} tensor contiguous in its last dimension (it is "
-                             f"updated in place), got {pool.dtype} on {pool.device.type} with strides {pool.stride()}")
+    for name, pool, k_last_ok in (("state pool", state_pool, True), ("preconditioner pool", precond_pool, False)):
+        contiguous = pool is not None and (pool.stride(-1) == 1 or (k_last_ok and pool.dim() == 4
+                                                                   and pool.stride(-2) == 1))
+        if pool is not None and (pool.dtype != sd or pool.device.type != "cpu" or not contiguous):
+            what = "in its last dimension (or, K-last, in K)" if k_last_ok else "in its last dimension"
+            raise ValueError(f"dgps: the {name} must be a CPU {sd} tensor contiguous {what} (it is updated in place), "
+                             f"got {pool.dtype} on {pool.device.type} with strides {pool.stride()}")
     q, k, v = (_last_contiguous(t.to(qd)) for t in (q, k, v))
     g, beta, g_p, beta_p, center = (None if t is None else _last_contiguous(t.to(gd))
                                     for t in (g, beta, g_p, beta_p, center))

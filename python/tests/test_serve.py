@@ -148,6 +148,48 @@ def test_sglang_chunk_prefill_with_initial_state_indices():
     assert torch.equal(pool[1], before[1]) and torch.equal(pool[3], before[3])
 
 
+def test_k_last_pools_equal_k_major_bit_for_bit():
+    """state_v_first pools [P, HV, V, K] (FlashInfer's / SGLang's K-last layout) through vLLM's decode and
+    verification and SGLang's prefill, updated in place: o and the pool (transposed back) equal the K-major call's
+    bit for bit where the chunkwise kernels run (a prefill longer than 16 tokens), within 2e-6 of its largest
+    value where the decode kernel's K-last row sweep runs (verification: the same products summed in another
+    order)."""
+    lens = [3, 20, 1, 7]
+    ins, cu = packed(lens, torch.float32, 61)
+    idx = torch.tensor([3, -1, 5, 0], dtype=torch.int32)
+    ver = torch.tensor([[0, 1, 2, -1], [4, 6, 7, -1], [-1, -1, -1, -1], [8, -1, -1, -1]], dtype=torch.int32)
+    calls = [
+        lambda pool, vf: dt.fused_recurrent_gated_delta_rule(
+            *ins[:4], beta=ins[4], initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+            use_qk_l2norm_in_kernel=True, state_v_first=vf),
+        lambda pool, vf: dt.chunk_gated_delta_rule(
+            *ins, initial_state=pool, cu_seqlens=cu, initial_state_indices=torch.tensor([4, 2, 6, 1]),
+            use_qk_l2norm_in_kernel=True, state_v_first=vf),
+    ]
+    for call in calls:
+        k_major = pool_of(10, torch.float32, 62)
+        k_last = k_major.transpose(-1, -2).contiguous()
+        before = k_last.clone()
+        o1, f1 = call(k_major, False)
+        o2, f2 = call(k_last, True)
+        assert f2 is k_last and f1 is k_major
+        assert not torch.equal(k_last, before)
+        assert torch.equal(o1, o2)
+        assert torch.equal(k_last.transpose(-1, -2), k_major)
+    lens = [3, 2, 1, 1]
+    ins, cu = packed(lens, torch.float32, 63)
+    acc = torch.tensor([1, 2, 1, 1], dtype=torch.int32)
+    k_major = pool_of(10, torch.float32, 64)
+    k_last = k_major.transpose(-1, -2).contiguous()
+    outs = [dt.fused_recurrent_gated_delta_rule(*ins[:4], beta=ins[4], initial_state=pool, cu_seqlens=cu,
+                                                ssm_state_indices=ver, num_accepted_tokens=acc,
+                                                use_qk_l2norm_in_kernel=True, state_v_first=vf)[0]
+            for pool, vf in ((k_major, False), (k_last, True))]
+    close = lambda x, y: (x - y).abs().max().item() <= 2e-6 * y.abs().max().item()
+    assert close(outs[1], outs[0])
+    assert close(k_last.transpose(-1, -2), k_major) and not torch.equal(k_major, pool_of(10, torch.float32, 64))
+
+
 def test_pool_recurrence_separate_out_slots_and_pgdn():
     """dgps_torch.pool_recurrence with out_slots (read one slot, write another) on a preconditioned model."""
     g = torch.Generator().manual_seed(51)

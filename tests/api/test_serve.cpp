@@ -3,6 +3,7 @@
 /// reference run sequence by sequence (token by token).
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -265,7 +266,107 @@ void pool_cases(uint64_t seed) {
   }
 }
 
+/// The states [P, HV, K, V] of `h` as [P, HV, V, K] (K-last), or back with K and V exchanged.
+template <class S>
+std::vector<S> swap_last(const std::vector<S>& h, int64_t P, int64_t HV, int64_t K, int64_t V) {
+  std::vector<S> t(h.size());
+  for (int64_t i = 0; i < P * HV; ++i)
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t e = 0; e < V; ++e) t[size_t((i * V + e) * K + c)] = h[size_t((i * K + c) * V + e)];
+  return t;
+}
+
+/// The same pooled call with the pool K-major and K-last (DecodeState::layout). The reference (which reads the
+/// strided view) and the CPU chunkwise kernels (which copy the states in and out once) give the K-major results
+/// bit for bit; the CPU decode kernel's K-last row sweep sums the same products in another order: within
+/// max|x - y| / max|y| < 1e-13 (float64), 2e-6 (float32; SPEC §5's float accumulation) and 8e-3 (bfloat16 o,
+/// two roundings apart at most). `verify`: speculative verification (token_slots) instead of slots / out_slots.
+template <class R, class T>
+void check_k_last(const std::vector<int64_t>& lens, bool verify, dgps::Options opt, uint64_t seed) {
+  const int64_t P = 10, D = 4;
+  const std::vector<int64_t> slots{7, -1, 2, 5}, outs{7, 4, 3, 5};
+  const std::vector<int64_t> ts{0, 1, 2, -1, /**/ 6, 8, -1, -1, /**/ -1, 3, 9, -1, /**/ 4, -1, -1, -1};
+  const std::vector<int64_t> acc{1, 2, 2, 1};  // sequence 2 starts from slot 3
+  std::vector<std::vector<T>> o(2);
+  std::vector<std::vector<dgps::state_t<T>>> h(2), a(2);
+  dgps::RunInfo info;
+  for (int k_last = 0; k_last < 2; ++k_last) {
+    PoolCall<R, T> x(lens, 4, P, seed);
+    auto& pool = x.pool;
+    const int64_t HV = x.HV, K = x.shape.key_dim, V = x.V, N = x.N;
+    auto st = pool.template state<T>();
+    if (k_last) {
+      pool.h = swap_last(pool.h, P, HV, K, V);
+      st.h = dgps::view(pool.h.data(), {P, HV, V, K});
+      st.layout = dgps::StateLayout::k_last;
+    }
+    if (verify) {
+      st.token_slots = dgps::view(ts.data(), {N, D});
+      st.num_accepted = dgps::view(acc.data(), {N});
+    } else {
+      st.slots = dgps::view(slots.data(), {N});
+      st.out_slots = dgps::view(outs.data(), {N});
+    }
+    info = dgps::decode<R>(st, x.in, x.o.data(), opt);
+    o[k_last] = x.o;
+    h[k_last] = k_last ? swap_last(pool.h, P, HV, V, K) : pool.h;
+    a[k_last] = pool.a;
+    if (!k_last) CHECK(pool.h != x.before.h);  // the call wrote states
+  }
+  INFO("ran " << info.impl);
+  if (info.backend == dgps::Backend::reference || info.algorithm == dgps::Algorithm::chunkwise) {
+    CHECK(std::memcmp(o[0].data(), o[1].data(), o[0].size() * sizeof(T)) == 0);  // NaN-free: o is all written
+    CHECK(h[0] == h[1]);
+  } else {
+    auto dbl = [](const auto& v) {
+      std::vector<double> d;
+      for (const auto& x : v) d.push_back(double(x));
+      return d;
+    };
+    const double tol = std::is_same_v<T, double> ? 1e-13 : std::is_same_v<T, float> ? 2e-6 : 8e-3;
+    CHECK(err(dbl(o[1]), dbl(o[0])) < tol);
+    CHECK(err(dbl(h[1]), dbl(h[0])) < (std::is_same_v<T, double> ? 1e-13 : 2e-6));
+  }
+  CHECK(a[0] == a[1]);
+}
+
+template <class R>
+void k_last_cases(uint64_t seed) {
+  using A = dgps::Algorithm;
+  using B = dgps::Backend;
+  const std::vector<int64_t> lens{3, 1, 21, 2};  // 21 > kDecodeMaxTokens: automatic runs it chunkwise
+  std::vector<dgps::Options> opts{with(B::reference, A::automatic), with(B::cpu, A::recurrent),
+                                  with(B::cpu, A::automatic, 2)};
+  if (dgps::supports<R>(B::cpu, A::chunkwise)) opts.push_back(with(B::cpu, A::chunkwise, 2));
+  for (const auto& opt : opts) {
+    INFO("backend " << dgps::to_string(opt.backend) << ", algorithm " << dgps::to_string(opt.algorithm));
+    check_k_last<R, double>(lens, false, opt, seed);
+    check_k_last<R, float>(lens, false, opt, seed + 1);
+    check_k_last<R, dgps::bf16>(lens, false, opt, seed + 2);
+    if (opt.algorithm != A::chunkwise) check_k_last<R, float>({3, 2, 2, 1}, true, opt, seed + 3);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("serve: K-last state pools (DecodeState::layout) give the K-major results bit for bit") {
+  k_last_cases<dgps::GDN>(3771);
+  k_last_cases<dgps::KDA>(3772);
+  k_last_cases<dgps::PGDN>(3773);
+  k_last_cases<dgps::MesaLayer>(3774);
+}
+
+TEST_CASE("serve: a K-last pool of the wrong shape is refused naming the layout, nothing written") {
+  using R = dgps::GDN;
+  PoolCall<R, float> x({2, 1}, 4, 3, 3775);
+  auto st = x.pool.template state<float>();
+  st.layout = dgps::StateLayout::k_last;  // h is still [P, HV, K, V] with K = 8 != V = 6
+  const std::vector<int64_t> slots{0, 2};
+  st.slots = dgps::view(slots.data(), {2});
+  CHECK_THROWS_WITH_AS(dgps::decode<R>(st, x.in, x.o.data(), on(dgps::Backend::cpu)),
+                       doctest::Contains("K-last: [P, HV, V, K]"), dgps::Error);
+  CHECK(x.pool.h == x.before.h);
+}
 
 TEST_CASE("serve: state pool and verification, GDN") { pool_cases<dgps::GDN>(3701); }
 TEST_CASE("serve: state pool and verification, KDA") { pool_cases<dgps::KDA>(3711); }

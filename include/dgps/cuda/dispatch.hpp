@@ -163,6 +163,9 @@ RunInfo cuda_backward(const Inputs<T>& in, const GradsIn<T>& gin, const Grads<T>
 template <class R, class T>
 RunInfo cuda_decode(const DecodeState<T>& state, const Inputs<T>& tokens, Out<T> o, const Options& opt) {
   require_cuda<R, T>(Algorithm::recurrent, "decode");
+  if (state.layout != StateLayout::k_major)
+    throw Error("decode on the cuda backend takes K-major states h [P, HV, K, V] only (DecodeState::layout); the "
+                "cpu backend takes K-last ones");
   DecodeState<T> host = state;
   std::vector<int64_t> ids;
   if (state.slots.data) {  // device slots: the host checks their shape on placeholder values

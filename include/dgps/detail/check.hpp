@@ -470,8 +470,23 @@ Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T
     if (!st.h.data || st.h.rank < 1) throw Error("tensor 'h' (decode state) is required but was not given");
     pool = st.h.size[0];
   }
-  // The pool is bounded by the state's validation before the index tables are sized from it.
-  auto h = resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
+  // The pool is bounded by the state's validation before the index tables are sized from it. A K-last
+  // pool becomes the strided view [P, HV, K, V] of its transpose (element (c, e) at stride 1 in c).
+  const bool k_last = st.layout == StateLayout::k_last;
+  if (!k_last && st.layout != StateLayout::k_major) throw Error("DecodeState: layout is neither k_major nor k_last");
+  auto resolve_h = [&] {
+    if (!k_last) return resolve("h", st.h, {pool, p.HV, p.K, p.V}, true, "as the decode state");
+    try {
+      return resolve("h", st.h, {pool, p.HV, p.V, p.K}, true, "as the decode state");
+    } catch (const Error& e) {
+      throw Error(std::string(e.what()).substr(6) + " (DecodeState::layout is K-last: [P, HV, V, K])");
+    }
+  };
+  auto h = resolve_h();
+  if (k_last && h.data) {
+    std::swap(h.size[2], h.size[3]);
+    std::swap(h.stride[2], h.stride[3]);
+  }
   auto a = resolve_precond_state<R, T>("a", st.a, pool, p.H, p.K, true);
   check_pool_indices(p, st, pool);
   p.h0 = h;
