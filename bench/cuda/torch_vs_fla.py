@@ -6,7 +6,11 @@ dgps_torch's chunk_* functions and FLA's. Times with CUDA events, median of 20 a
 capture one call (forward, or forward + backward through autograd) and time its replay. Prints a markdown table.
 FLA is not part of dgps: it is imported from PYTHONPATH (a checkout's `fla` folder); without it only dgps is timed.
 
-    python3 bench/cuda/torch_vs_fla.py [models, default gdn,pgdn,kda,pkda] [shapes, default 8x2048x16,1x32768x16]
+    python3 bench/cuda/torch_vs_fla.py [models, default gdn,pgdn,kda,pkda,dn,gla,sgla] [shapes, default 8x2048x16,1x32768x16]
+
+Models: gdn chunk_gated_delta_rule, pgdn chunk_precond_gated_delta_rule, kda chunk_kda, pkda chunk_precond_kda,
+dn chunk_delta_rule, gla chunk_gla, sgla chunk_simple_gla (the last two without the in-kernel L2 norm, which FLA's
+GLA functions do not take).
 """
 import importlib
 import statistics
@@ -43,6 +47,12 @@ def call(lib, model, t):
         return lib["chunk_gated_delta_rule"](q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
     if model == "kda":
         return lib["chunk_kda"](q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    if model == "dn":
+        return lib["chunk_delta_rule"](q, k, v, beta, use_qk_l2norm_in_kernel=True)[0]
+    if model == "gla":
+        return lib["chunk_gla"](q, k, v, g)[0]
+    if model == "sgla":
+        return lib["chunk_simple_gla"](q, k, v, g)[0]
     if model == "pgdn":
         return lib["chunk_precond_gated_delta_rule"](q, k, v, g_atk, g, beta_atk, beta, use_qk_l2norm_in_kernel=True,
                                                      log_atk_scale=center)[0]
@@ -52,7 +62,7 @@ def call(lib, model, t):
 
 def tensors(model, B, T, H, K=128, V=128, grad=False):
     torch.manual_seed(0)
-    diag = model in ("kda", "pkda")
+    diag = model in ("kda", "pkda", "gla")
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device=dev, dtype=dt)
     g = F.logsigmoid(r(B, T, H, K, dt=torch.float32)) if diag else F.logsigmoid(r(B, T, H, dt=torch.float32))
     t = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), g, torch.sigmoid(r(B, T, H, dt=torch.float32)),
@@ -68,7 +78,8 @@ def time_one(lib, model, B, T, H):
     fwd = lambda: call(lib, model, t)
     tg = tensors(model, B, T, H, grad=True)
     do = torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)
-    leaves = tg if model in ("pgdn", "pkda") else tg[:5]
+    leaves = tg if model in ("pgdn", "pkda") else [tg[i] for i in {"dn": (0, 1, 2, 4), "gla": (0, 1, 2, 3),
+                                                                   "sgla": (0, 1, 2, 3)}.get(model, range(5))]
 
     def step():
         for x in leaves:
@@ -87,7 +98,7 @@ def time_one(lib, model, B, T, H):
 
 
 def main():
-    models = (sys.argv[1] if len(sys.argv) > 1 else "gdn,pgdn,kda,pkda").split(",")
+    models = (sys.argv[1] if len(sys.argv) > 1 else "gdn,pgdn,kda,pkda,dn,gla,sgla").split(",")
     shapes = [tuple(map(int, s.split("x"))) for s in (sys.argv[2] if len(sys.argv) > 2 else
                                                        "8x2048x16,1x32768x16").split(",")]
     libs = {"dgps": {n: getattr(dgps_torch, n) for n in dir(dgps_torch) if n.startswith("chunk_")}}
@@ -95,7 +106,8 @@ def main():
         fla = {n: getattr(importlib.import_module(m), n) for m, n in (
             ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), ("fla.ops.kda", "chunk_kda"),
             ("fla.ops.precond_gated_delta_rule", "chunk_precond_gated_delta_rule"),
-            ("fla.ops.precond_kda", "chunk_precond_kda"))}
+            ("fla.ops.precond_kda", "chunk_precond_kda"), ("fla.ops.delta_rule", "chunk_delta_rule"),
+            ("fla.ops.gla", "chunk_gla"), ("fla.ops.simple_gla", "chunk_simple_gla"))}
         # Timing only: FLA refuses its gated backward on Hopper with this Triton (wrong gradients there, FLA issue
         # #640); its time is measured, its gradients are never used.
         importlib.import_module("fla.ops.common.chunk_o").TRITON_ABOVE_3_7_1 = True
