@@ -316,7 +316,8 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   // its output slot. A K-last pool (h0 / hT strided in V: rows of K per value column) keeps its layout in
   // place and in scratch, and runs the row sweep below (sweep_k_last).
   const int64_t* tslots = p.token_slots ? p.token_slots + n * p.token_ld : nullptr;
-  const bool k_last = (p.h0.data && p.h0.stride[3] != 1) || (p.hT.data && p.hT.stride[3] != 1);
+  auto k_last_view = [](const KView& x) { return x.data && x.stride[3] != 1 && x.stride[2] == 1; };
+  const bool k_last = k_last_view(p.h0) || k_last_view(p.hT);
   const bool exact = p.spec.precond == precond::Kind::exact_atk || p.spec.precond == precond::Kind::exact_atq;
   const bool key_target = p.spec.precond == precond::Kind::diagonal_atk || p.spec.precond == precond::Kind::exact_atk;
   const bool query_target = p.spec.precond == precond::Kind::diagonal_atq || p.spec.precond == precond::Kind::exact_atq;
