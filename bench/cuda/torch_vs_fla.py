@@ -6,7 +6,8 @@ dgps_torch's chunk_* functions and FLA's. Times with CUDA events, median of 20 a
 capture one call (forward, or forward + backward through autograd) and time its replay. Prints a markdown table.
 FLA is not part of dgps: it is imported from PYTHONPATH (a checkout's `fla` folder); without it only dgps is timed.
 
-    python3 bench/cuda/torch_vs_fla.py [models, default gdn,pgdn,kda,pkda,dn,gla,sgla] [shapes, default 8x2048x16,1x32768x16]
+    python3 bench/cuda/torch_vs_fla.py [models, default gdn,pgdn,kda,pkda,dn,gla,sgla]
+                                       [shapes, default 8x2048x16,1x32768x16]
 
 Models: gdn chunk_gated_delta_rule, pgdn chunk_precond_gated_delta_rule, kda chunk_kda, pkda chunk_precond_kda,
 dn chunk_delta_rule, gla chunk_gla, sgla chunk_simple_gla (the last two without the in-kernel L2 norm, which FLA's

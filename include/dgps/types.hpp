@@ -315,9 +315,14 @@ struct Grads {
   TensorView<S> dh0, da0;
 };
 
+/// Layout of the recurrent states `h` of a DecodeState: K-major [.., K, V] (dgps's and FLA's default) or
+/// K-last [.., V, K] (FlashInfer, SGLang and ggml; FLA's `state_v_first`). Only `h` has a layout; `a` is
+/// [.., K] or the symmetric [.., K, K].
+enum class StateLayout { k_major, k_last };
+
 /// The recurrent states of a batch of sequences for `decode`: a pool `h` [P, HV, K, V] (or K-last
-/// [P, HV, V, K], `layout`) and, with a
-/// preconditioner, `a` [P, H, K] or [P, H, K, K] (a serving engine's state pool). Updated in place.
+/// [P, HV, V, K], `layout`) and, with a preconditioner, `a` [P, H, K] or [P, H, K, K] (a serving engine's
+/// state pool). Updated in place.
 ///
 /// Without `slots`, P = N: sequence n reads and writes state n. The index tensors (int64, contiguous)
 /// address the pool instead:
@@ -334,18 +339,12 @@ struct Grads {
 /// A state written by a sequence may be read or written by no other sequence of the call (a slot
 /// that only sequences read may be shared); the same slot read and written by one sequence is the
 /// in-place update.
-/// Layout of the recurrent states `h` of a DecodeState: K-major [.., K, V] (dgps's and FLA's default) or
-/// K-last [.., V, K] (FlashInfer, SGLang and ggml; FLA's `state_v_first`). Only `h` has a layout; `a` is
-/// [.., K] or the symmetric [.., K, K].
-enum class StateLayout { k_major, k_last };
-
 template <class T>
 struct DecodeState {
   using S = state_t<T>;
   TensorView<S> h, a;
-  /// `h` is [P, HV, K, V] (k_major) or [P, HV, V, K] (k_last). The CPU backend runs a K-last state in a
-  /// transposed copy per (sequence, head) task, so the pool is read and written once per call either way;
-  /// the CUDA backend takes k_major only.
+  /// `h` is [P, HV, K, V] (k_major) or [P, HV, V, K] (k_last). The CPU backend updates a K-last pool where
+  /// it is (the decode kernel sweeps its rows of K; docs/serving.md); the CUDA backend takes k_major only.
   StateLayout layout = StateLayout::k_major;
   TensorView<const int64_t> slots;
   TensorView<const int64_t> out_slots;

@@ -148,9 +148,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if initial_state_indices is not None:
         if initial_state is None:
             raise ValueError(f"{RCP}.{fn}: initial_state_indices needs initial_state (the state pool [P, HV, K, V])")
-        o = pool_recurrence("gdn", q, k, v, _pool_view(initial_state, v_first), g=g, beta=beta, slots=initial_state_indices,
-                            has_initial=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
-                            l2norm_qk=use_qk_l2norm_in_kernel)
+        o = pool_recurrence("gdn", q, k, v, _pool_view(initial_state, v_first), g=g, beta=beta,
+                            slots=initial_state_indices, has_initial=has_initial_state, cu_seqlens=cu_seqlens,
+                            scale=scale, l2norm_qk=use_qk_l2norm_in_kernel)
         return o, initial_state
     if has_initial_state is not None:
         raise ValueError(f"{RCP}.{fn}: has_initial_state needs initial_state_indices")
@@ -195,8 +195,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         model, gate = "dn", None
     if ssm_state_indices is not None:
         pool, ix = vllm_indices(fn, q, initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state)
-        o = pool_recurrence(model, q, k, v, _pool_view(pool, v_first), g=gate, beta=beta, cu_seqlens=cu_seqlens, scale=scale,
-                            l2norm_qk=use_qk_l2norm_in_kernel, **ix)
+        o = pool_recurrence(model, q, k, v, _pool_view(pool, v_first), g=gate, beta=beta, cu_seqlens=cu_seqlens,
+                            scale=scale, l2norm_qk=use_qk_l2norm_in_kernel, **ix)
         return o, pool
     if num_accepted_tokens is not None:
         raise ValueError(f"{RCP}.{fn}: num_accepted_tokens needs ssm_state_indices")
