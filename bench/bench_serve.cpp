@@ -6,8 +6,9 @@
 /// passed as [B, HV, K, V] without slots, and (b) B random distinct slots; both are redrawn every step, so
 /// neither finds the states that the previous step left in cache (a hot dense state would only measure the
 /// cache); and (c) the same random slots of a K-last pool [P, HV, V, K] (DecodeState::layout). The three kinds of
-/// step alternate. Prints the ratios pool / dense and K-last pool / dense. Median of `--reps` runs of `--steps` steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S]
-/// [--pool P] [--heads H]; K = V = 128, HV = H.
+/// step alternate. Prints the ratios pool / dense and K-last pool / dense. Median of `--reps` runs of `--steps`
+/// steps each. Usage: dgps_bench_serve [--threads N] [--reps R] [--steps S] [--pool P] [--heads H]; K = V = 128,
+/// HV = H.
 #include <algorithm>
 #include <array>
 #include <chrono>

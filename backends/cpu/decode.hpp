@@ -331,7 +331,7 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   const int64_t nsc1 = k_last ? Vp * Kp : K * Vp;  // one value head's state in scratch
   const int64_t nsc = scratch_state ? r * nsc1 : 0;
   constexpr int L = Vec<T>::L;
-  const int64_t nxr = k_last ? L * Kp + 4 * L : 0;  // K-last: one group of L state rows, staged v, o and u
+  const int64_t nxr = k_last ? L * Kp + 3 * L : 0;  // K-last: one group of L state rows, staged v, o and u
   SmallScratch<T> mem(Kp + 4 * Kp + TB * per_tok + TB * r * per_head + 3 * Vp + TB * r + 3 * TB + nvc + nsc + nxr);
   T* Ast = mem.base;  // diagonal statistics A
   T* work = Ast + Kp;
@@ -365,7 +365,7 @@ void decode_task_t(const KernelParams& p, int64_t task) {
   // The states: each value head's from h0 (or zero), in its output slot or in scratch.
   auto state_of = [&](int64_t j) { return scratch_state ? Ssc + j * nsc1 : s.state(p.hT, wi, h * r + j); };
   const int64_t ds = scratch_state ? Vp : p.hT.stride[2];
-  const int64_t lde = scratch_state ? Kp : p.hT.data ? p.hT.stride[3] : 0;  // K-last: row stride of the state
+  const int64_t lde = scratch_state ? Kp : p.hT.stride[3];  // K-last: row stride of the state
   for (int64_t j = 0; k_last && j < r; ++j) {
     const T* src = p.h0.data && ri >= 0 ? s.state(p.h0, ri, h * r + j) : nullptr;
     T* S = state_of(j);
