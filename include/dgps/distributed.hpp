@@ -137,8 +137,7 @@ Problem<T> agree(Communicator& comm, const char* call, Check&& check) {
     st.B = p.B, st.H = p.H, st.HV = p.HV, st.K = p.K, st.V = p.V, st.T = p.T_;
   } catch (const std::exception& e) {
     st.ok = 0;
-    std::string w = e.what();
-    if (w.rfind("dgps: ", 0) == 0) w = w.substr(6);
+    const std::string w = Error::message_of(e);
     std::strncpy(st.what, w.c_str(), sizeof(st.what) - 1);
   }
   const int R_ = comm.size();

@@ -368,6 +368,21 @@ TEST_CASE("serve: a K-last pool of the wrong shape is refused naming the layout,
   CHECK(x.pool.h == x.before.h);
 }
 
+TEST_CASE("serve: the K-last refusal carries the shape message once, with one prefix") {
+  using R = dgps::GDN;
+  PoolCall<R, float> x({2, 1}, 4, 3, 3776);
+  auto st = x.pool.template state<float>();
+  st.layout = dgps::StateLayout::k_last;
+  try {
+    dgps::decode<R>(st, x.in, x.o.data(), on(dgps::Backend::cpu));
+    FAIL("a K-last pool of K-major shape was accepted");
+  } catch (const dgps::Error& e) {
+    const std::string w = e.what();
+    CHECK(w.rfind("dgps: tensor 'h' has shape ", 0) == 0);
+    CHECK(w.find("dgps: ", 1) == std::string::npos);
+  }
+}
+
 TEST_CASE("serve: state pool and verification, GDN") { pool_cases<dgps::GDN>(3701); }
 TEST_CASE("serve: state pool and verification, KDA") { pool_cases<dgps::KDA>(3711); }
 TEST_CASE("serve: state pool and verification, PGDN") { pool_cases<dgps::PGDN>(3721); }

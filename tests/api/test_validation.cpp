@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -701,4 +702,12 @@ TEST_CASE("validation: sizes whose products overflow int64 are refused before an
                  dgps::decode<dgps::PGDN>(st, tokens, dgps::Out<float>(f.o.data()), ref_opt());
                },
                {"tensor 'h'", "too large"});
+}
+
+TEST_CASE("validation: Error::message_of strips the prefix once, and only from a dgps::Error's message") {
+  const dgps::Error e("tensor 'q' is required");
+  CHECK(std::string(e.what()) == "dgps: tensor 'q' is required");
+  CHECK(dgps::Error::message_of(e) == "tensor 'q' is required");
+  CHECK(dgps::Error::message_of(std::runtime_error("dgps-like but not: x")) == "dgps-like but not: x");
+  CHECK(dgps::Error::message_of(dgps::Error(dgps::Error::message_of(e))) == "tensor 'q' is required");
 }

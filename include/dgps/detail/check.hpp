@@ -479,7 +479,7 @@ Problem<T> check_decode(const DecodeState<T>& st, const Inputs<T>& tokens, Out<T
     try {
       return resolve("h", st.h, {pool, p.HV, p.V, p.K}, true, "as the decode state");
     } catch (const Error& e) {
-      throw Error(std::string(e.what()).substr(6) + " (DecodeState::layout is K-last: [P, HV, V, K])");
+      throw Error(Error::message_of(e) + " (DecodeState::layout is K-last: [P, HV, V, K])");
     }
   };
   auto h = resolve_h();
